@@ -25,7 +25,7 @@ KEY_SCHEME = b"kvshard-block-v1"
 KEY_HEX_LENGTH = 64  # blake2b with a 32-byte digest
 
 
-class SegmentKind(str, enum.Enum):
+class SegmentKind(enum.StrEnum):
     """What a segment holds; decides its caching policy (history is replicated, items sharded)."""
 
     SYSTEM = "system"

@@ -96,7 +96,7 @@ def prepare_smollm2(target: Path | None = None, force: bool = False) -> Path:
         steps.update()
         steps.set_postfix_str("save")
         # The weights are fully dequantized: drop the GGUF quantizer so this saves as plain fp32.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(staging, safe_serialization=True)
@@ -185,7 +185,8 @@ def load_model(path: Path | str | None = None, dtype: str = "float32", device: s
         raise FileNotFoundError(f"no Hugging Face model folder at {folder}{hint}")
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype)).to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype))
+    model = model.to(torch.device(device))  # type: ignore[arg-type]
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(model=model, tokenizer=tokenizer, identity=read_identity(folder, dtype), path=folder)

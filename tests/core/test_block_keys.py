@@ -71,7 +71,8 @@ def test_key_changes_when_any_token_changes(tokens: list[int], data: st.DataObje
 
 def test_key_distinguishes_token_boundaries() -> None:
     # (1, 2) + (3,) and (1,) + (2, 3) differ in the segment, so their keys must too.
-    assert block_key(IDENTITY, Segment(SegmentKind.ITEM, (1, 2))) != block_key(IDENTITY, Segment(SegmentKind.ITEM, (1,)))
+    pair, single = Segment(SegmentKind.ITEM, (1, 2)), Segment(SegmentKind.ITEM, (1,))
+    assert block_key(IDENTITY, pair) != block_key(IDENTITY, single)
 
 
 def test_segments_refuse_empty_or_out_of_range_tokens() -> None:
