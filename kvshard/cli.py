@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "store": ("kvshard_bench.store", "block store get/put throughput per tier (MB/s)"),
     "placement": ("kvshard_bench.placement", "clustering + assignment time and moved fraction on ±1 pod"),
     "fidelity": ("kvshard_bench.fidelity", "TTFT and fidelity of every blend method vs full prefill"),
+    "routing": ("kvshard_bench.routing", "routing policies on a MovieLens trace: hit ratio, imbalance, p99, decision time"),
 }
 
 
@@ -69,8 +70,27 @@ def _add_demo_command(sub: Any) -> None:
     demo.add_argument("--candidates", type=int, default=20, help="candidates per request (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     demo.add_argument("--store-dir", type=Path, default=None,
-                      help="disk tier folder (default: a folder under the user cache)")
+                      help="disk tier folder (default: <user cache>/demo/blocks)")
     demo.set_defaults(handler=_lazy("kvshard_sidecar.demo", "run"))
+
+
+def _add_sidecar_commands(sub: Any, argv: Sequence[str]) -> None:
+    sidecar = sub.add_parser("sidecar", help="the data plane beside vLLM in each pod",
+                             description="The kvshard sidecar: block store, blend engine, HTTP API.")
+    sidecar_sub = sidecar.add_subparsers(dest="sidecar_command", required=True, metavar="COMMAND")
+    serve = sidecar_sub.add_parser(
+        "serve", help="serve /v1/recommend, peer block fetch, /metrics and health checks",
+        description="Serve the sidecar HTTP API. Every flag can also be set by its KVSHARD_SIDECAR_* "
+        "environment variable; flags win.")
+    if argv[:2] == ["sidecar", "serve"] or _wants_help(argv, "sidecar"):
+        from kvshard_sidecar.main import add_arguments
+
+        add_arguments(serve)
+    serve.set_defaults(handler=_lazy("kvshard_sidecar.main", "serve"))
+
+
+def _wants_help(argv: Sequence[str], command: str) -> bool:
+    return bool(argv) and argv[0] == command and ("-h" in argv or "--help" in argv)
 
 
 def _add_bench_commands(sub: Any, argv: Sequence[str]) -> None:
@@ -119,6 +139,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_model_commands(sub)
     _add_demo_command(sub)
+    _add_sidecar_commands(sub, argv)
     _add_bench_commands(sub, argv)
     return parser
 
