@@ -29,7 +29,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "store": ("kvshard_bench.store", "block store get/put throughput per tier (MB/s)"),
     "placement": ("kvshard_bench.placement", "clustering + assignment time and moved fraction on ±1 pod"),
     "fidelity": ("kvshard_bench.fidelity", "TTFT and fidelity of every blend method vs full prefill"),
-    "routing": ("kvshard_bench.routing", "routing policies on a MovieLens trace: hit ratio, imbalance, p99, decision time"),
+    "peer": ("kvshard_bench.peer", "block fetch from a real peer sidecar over loopback vs a local disk read (MB/s)"),
+    "vllm": ("kvshard_bench.vllm", "TTFT: vLLM + KvshardConnector vs the embedded engine vs vLLM with prefix caching"),
+    "routing": ("kvshard_bench.routing",
+                "routing policies on a MovieLens trace: hit ratio, imbalance, p99, decision time"),
 }
 
 
@@ -82,15 +85,25 @@ def _add_sidecar_commands(sub: Any, argv: Sequence[str]) -> None:
         "serve", help="serve /v1/recommend, peer block fetch, /metrics and health checks",
         description="Serve the sidecar HTTP API. Every flag can also be set by its KVSHARD_SIDECAR_* "
         "environment variable; flags win.")
-    if argv[:2] == ["sidecar", "serve"] or _wants_help(argv, "sidecar"):
-        from kvshard_sidecar.main import add_arguments
+    from kvshard_sidecar.settings import add_arguments  # torch-free: only the settings dataclass
 
-        add_arguments(serve)
+    add_arguments(serve)
     serve.set_defaults(handler=_lazy("kvshard_sidecar.main", "serve"))
 
 
-def _wants_help(argv: Sequence[str], command: str) -> bool:
-    return bool(argv) and argv[0] == command and ("-h" in argv or "--help" in argv)
+def _add_operator_commands(sub: Any) -> None:
+    operator = sub.add_parser("operator", help="the control plane (kopf operator for CacheShard)",
+                              description="The kvshard operator: places item clusters onto pods and "
+                              "publishes placement to etcd.")
+    operator_sub = operator.add_subparsers(dest="operator_command", required=True, metavar="COMMAND")
+    run = operator_sub.add_parser(
+        "run", help="watch CacheShards and pods; place, publish to etcd, report status",
+        description="Run the operator (kopf) against the cluster in $KUBECONFIG or in-cluster. Every flag can "
+        "also be set by its KVSHARD_OPERATOR_* environment variable; flags win.")
+    from kvshard_operator.main import add_arguments  # kopf is imported only when it runs
+
+    add_arguments(run)
+    run.set_defaults(handler=_lazy("kvshard_operator.main", "main"))
 
 
 def _add_bench_commands(sub: Any, argv: Sequence[str]) -> None:
@@ -106,8 +119,24 @@ def _add_bench_commands(sub: Any, argv: Sequence[str]) -> None:
             parser.set_defaults(handler=_bench_runner(module.run))
 
 
+GLOBAL_OPTIONS_WITH_VALUES = ("--log-level",)
+
+
+def _command_words(argv: Sequence[str]) -> list[str]:
+    """The subcommand words of ``argv`` (global options and their values skipped)."""
+    words, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in GLOBAL_OPTIONS_WITH_VALUES:
+            skip = True
+        elif not word.startswith("-"):
+            words.append(word)
+    return words
+
+
 def _chosen_benchmark(argv: Sequence[str]) -> str | None:
-    words = [w for w in argv if not w.startswith("-")]
+    words = _command_words(argv)
     if len(words) >= 2 and words[0] == "bench":
         return words[1]
     return None
@@ -140,6 +169,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     _add_model_commands(sub)
     _add_demo_command(sub)
     _add_sidecar_commands(sub, argv)
+    _add_operator_commands(sub)
     _add_bench_commands(sub, argv)
     return parser
 

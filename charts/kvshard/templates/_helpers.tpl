@@ -1,0 +1,139 @@
+{{/*
+Names: every object is <fullname>-<component>, truncated to 63 characters (the DNS label limit).
+*/}}
+{{- define "kvshard.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvshard.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* <fullname>-<component>; call with (dict "ctx" $ "component" "engine"). */}}
+{{- define "kvshard.componentName" -}}
+{{- printf "%s-%s" (include "kvshard.fullname" .ctx | trunc (int (sub 62 (len .component))) | trimSuffix "-") .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvshard.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of one component; call with (dict "ctx" $ "component" "engine"). */}}
+{{- define "kvshard.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvshard.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* All recommended labels of one component; call with (dict "ctx" $ "component" "engine"). */}}
+{{- define "kvshard.labels" -}}
+helm.sh/chart: {{ include "kvshard.chart" .ctx }}
+{{ include "kvshard.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvshard
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* An image reference; call with (dict "ctx" $ "image" .Values.operator.image). */}}
+{{- define "kvshard.image" -}}
+{{- if .image.digest }}
+{{- printf "%s@%s" .image.repository .image.digest }}
+{{- else }}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The restricted Pod Security container securityContext; readOnlyRootFilesystem is always true. */}}
+{{- define "kvshard.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* The restricted Pod Security pod securityContext; call with the uid. */}}
+{{- define "kvshard.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ . }}
+runAsGroup: {{ . }}
+fsGroup: {{ . }}
+fsGroupChangePolicy: OnRootMismatch
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* etcd client endpoints (host:port) as a list, bundled or external. */}}
+{{- define "kvshard.etcdEndpoints" -}}
+{{- if .Values.etcd.external.enabled }}
+{{- toYaml .Values.etcd.external.endpoints }}
+{{- else }}
+- {{ printf "%s.%s.svc:%d" (include "kvshard.componentName" (dict "ctx" . "component" "etcd")) .Release.Namespace (int .Values.etcd.clientPort) }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the sidecars' shared peer token. */}}
+{{- define "kvshard.peerTokenSecretName" -}}
+{{- default (include "kvshard.componentName" (dict "ctx" . "component" "peer-token")) .Values.engine.peerToken.existingSecret }}
+{{- end }}
+
+{{/* Whether the engine StatefulSet is scaled by an autoscaler (then it sets no replicas). */}}
+{{- define "kvshard.engineAutoscaled" -}}
+{{- if .Values.autoscaling.enabled }}true{{ end }}
+{{- end }}
+
+{{/* Most engine pods that can exist, for the static peer list. */}}
+{{- define "kvshard.engineMaxReplicas" -}}
+{{- if .Values.autoscaling.enabled }}{{ .Values.autoscaling.maxReplicas }}{{ else }}{{ .Values.engine.replicas }}{{ end }}
+{{- end }}
+
+{{/* The vLLM --kv-transfer-config JSON that loads the kvshard connector. */}}
+{{- define "kvshard.kvTransferConfig" -}}
+{{- dict "kv_connector" "KvshardConnector" "kv_connector_module_path" "kvshard_sidecar.connector" "kv_role" "kv_both" "kv_connector_extra_config" (dict "exchange_dir" .Values.engine.exchangeDir) | toJson }}
+{{- end }}
+
+{{/*
+The operator's rules on namespaced resources, each verb for a reason (see the comments); used by
+the ClusterRole (every namespace) or by one Role per watched namespace.
+*/}}
+{{- define "kvshard.operatorNamespacedRules" -}}
+# CacheShards: kopf lists and watches them (create/update/resume/delete handlers and timers);
+# patch adds the finalizer and kopf's progress and last-handled-spec annotations.
+- apiGroups: [kvshard.io]
+  resources: [cacheshards]
+  verbs: [list, watch, patch]
+# Status conditions, placement generation and counts go through the status subresource.
+- apiGroups: [kvshard.io]
+  resources: [cacheshards/status]
+  verbs: [patch]
+# The pod index: ready engine pods selected by spec.podSelector (placement follows scaling).
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+# spec.catalog.configMap: the item catalog is read once per reconciliation.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get]
+# spec.etcd.secretRef: etcd username and password, read by name.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+# kopf posts handler warnings and errors as Events on the CacheShard.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}

@@ -1,0 +1,351 @@
+"""The etcd side of placement: key layout, atomic publish, reads, watches, heat and warm sets.
+
+This is the only module that imports ``etcd3aio`` (import-linter checks it), so the operator, the
+router and the sidecars share one key layout (DESIGN §6) and one set of semantics::
+
+    /kvshard/v1/<namespace>/<name>/gen/<G>/assignment      cluster → pods
+    /kvshard/v1/<namespace>/<name>/gen/<G>/items/<chunk>   item → cluster (chunked, each ≤ 1 MiB)
+    /kvshard/v1/<namespace>/<name>/current                 G (changed only by compare-and-swap)
+    /kvshard/v1/<namespace>/<name>/heat/<timestamp>        hit-rate snapshot (lease/TTL'd)
+    /kvshard/v1/<namespace>/<name>/warm/<pod>              clusters the pod has warmed
+
+Publishing writes the whole generation first and only then compare-and-swaps ``current``, so a
+reader that follows ``current`` never sees a half-written generation, and two writers cannot both
+win. When everything fits in one request the writes and the swap are a single transaction.
+
+Every failure to reach etcd surfaces as :class:`EtcdUnavailableError`; callers never see gRPC or
+etcd3aio exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import etcd3aio
+import grpc
+
+from kvshard import placement_schema as ps
+
+PREFIX = "/kvshard/v1"
+KEEP_GENERATIONS = 2
+_TXN_LIMIT = ps.MAX_VALUE_BYTES
+_ERRORS = (etcd3aio.EtcdError, grpc.aio.AioRpcError, TimeoutError, OSError)
+# etcd 3.4 reports missing or wrong credentials as INVALID_ARGUMENT with these details.
+_AUTH_DETAILS = re.compile(r"user name is empty|authentication failed|invalid auth token|permission denied")
+_UNAVAILABLE = (etcd3aio.EtcdConnectionError, etcd3aio.EtcdTransientError, TimeoutError, OSError)
+
+
+class EtcdStoreError(Exception):
+    """Base of every error this module raises."""
+
+
+class EtcdUnavailableError(EtcdStoreError, ConnectionError):
+    """etcd could not be reached or did not answer in time (transient: retry later)."""
+
+
+class EtcdAuthError(EtcdStoreError):
+    """etcd refused the username/password (or the user lacks permission on our keys)."""
+
+
+class GenerationConflictError(EtcdStoreError):
+    """``current`` was not the generation the writer expected: someone else published first."""
+
+
+def shard_prefix(namespace: str, name: str) -> str:
+    """``/kvshard/v1/<namespace>/<name>/`` — every key of one CacheShard starts with this."""
+    return f"{PREFIX}/{namespace}/{name}/"
+
+
+def current_key(namespace: str, name: str) -> str:
+    return shard_prefix(namespace, name) + "current"
+
+
+def generation_prefix(namespace: str, name: str, generation: int) -> str:
+    return shard_prefix(namespace, name) + f"gen/{generation}/"
+
+
+def assignment_key(namespace: str, name: str, generation: int) -> str:
+    return generation_prefix(namespace, name, generation) + "assignment"
+
+
+def items_key(namespace: str, name: str, generation: int, chunk: int) -> str:
+    return generation_prefix(namespace, name, generation) + f"items/{chunk:06d}"
+
+
+def heat_prefix(namespace: str, name: str) -> str:
+    return shard_prefix(namespace, name) + "heat/"
+
+
+def warm_key(namespace: str, name: str, pod: str) -> str:
+    return shard_prefix(namespace, name) + f"warm/{pod}"
+
+
+class EtcdStore:
+    """An async connection to etcd speaking the kvshard key layout.
+
+        async with EtcdStore(["127.0.0.1:2379"]) as store:
+            generation = await store.publish("default", "movielens", placement, expected=0)
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        timeout: float = 5.0,
+        attempts: int = 2,
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self._username = username
+        self._password = password
+        self._client = etcd3aio.Etcd3Client(self.endpoints, rpc_max_attempts=attempts)
+        self._connected = False
+
+    async def connect(self) -> None:
+        """Open the channel (and authenticate when a username is given)."""
+        if self._connected:
+            return
+        await self._client.connect()
+        self._connected = True
+        if self._username:
+            auth = self._client.auth
+            assert auth is not None
+            try:
+                resp = await self._call("authenticate",
+                                        auth.authenticate(self._username, self._password or "", timeout=self.timeout))
+            except EtcdUnavailableError:
+                raise
+            except EtcdStoreError as exc:
+                raise EtcdAuthError(f"etcd refused user {self._username!r}: {exc.__cause__ or exc}") from exc
+            self._client.set_token(resp.token)
+
+    async def close(self) -> None:
+        if self._connected:
+            await self._client.close()
+            self._connected = False
+
+    async def __aenter__(self) -> EtcdStore:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def _kv(self) -> Any:
+        if not self._connected or self._client.kv is None:
+            raise EtcdStoreError("EtcdStore is not connected; use `async with` or connect()")
+        return self._client.kv
+
+    async def _call(self, what: str, coro: Any) -> Any:
+        try:
+            return await coro
+        except _ERRORS as exc:
+            transient = isinstance(exc, _UNAVAILABLE) or (
+                isinstance(exc, grpc.aio.AioRpcError)
+                and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            )
+            denied = isinstance(exc, etcd3aio.EtcdUnauthenticatedError | etcd3aio.EtcdPermissionDeniedError) or (
+                isinstance(exc, grpc.aio.AioRpcError) and _AUTH_DETAILS.search(exc.details() or "") is not None
+            )
+            error = EtcdUnavailableError if transient else EtcdAuthError if denied else EtcdStoreError
+            raise error(f"etcd {what} failed on {','.join(self.endpoints)}: {exc}") from exc
+
+    async def ping(self) -> None:
+        """Raise :class:`EtcdUnavailableError` unless etcd answers a read."""
+        await self._call("ping", self._kv.get("/kvshard/ping", timeout=self.timeout))
+
+    # ---------------------------------------------------------------------------------- placement
+
+    async def current_generation(self, namespace: str, name: str) -> int:
+        """The published generation, 0 when none has been published."""
+        resp = await self._call("read", self._kv.get(current_key(namespace, name), timeout=self.timeout))
+        return int(resp.kvs[0].value) if resp.kvs else 0
+
+    async def publish(self, namespace: str, name: str, placement: ps.Placement, *, expected: int) -> int:
+        """Write ``placement`` as generation ``placement.generation`` and make it current, provided
+        ``current`` is still ``expected`` (0: nothing published yet). Returns the generation.
+
+        Raises :class:`GenerationConflictError` when ``current`` moved, :class:`EtcdUnavailableError`
+        when etcd fails; in both cases ``current`` still names a complete generation.
+        """
+        generation = placement.generation
+        if generation <= expected:
+            raise ValueError(f"generation {generation} must be newer than {expected}")
+        assignment, chunks = ps.encode(placement)
+        kv = self._kv
+        gen_prefix = generation_prefix(namespace, name, generation)
+        ckey = current_key(namespace, name)
+        compare = (
+            kv.txn_compare_create_revision(ckey, 0)
+            if expected == 0
+            else kv.txn_compare_value(ckey, str(expected))
+        )
+        writes = [kv.txn_op_put(assignment_key(namespace, name, generation), assignment)]
+        writes += [kv.txn_op_put(items_key(namespace, name, generation, i), c) for i, c in enumerate(chunks)]
+        swap = kv.txn_op_put(ckey, str(generation))
+        clear = kv.txn_op_delete(gen_prefix, range_end=etcd3aio.prefix_range_end(gen_prefix))
+        # Leftovers of an earlier failed attempt at this generation go first (only while current is
+        # still ``expected``, so another writer's generation is never touched).
+        await self._call("publish", kv.txn([compare], [clear], timeout=self.timeout))
+        if len(assignment) + sum(map(len, chunks)) <= _TXN_LIMIT:
+            resp = await self._call("publish", kv.txn([compare], [*writes, swap], timeout=self.timeout))
+        else:  # too big for one request: write the generation, then swap
+            for op in writes:
+                put = op.request_put
+                await self._call("publish", kv.put(put.key, put.value, timeout=self.timeout))
+            resp = await self._call("publish", kv.txn([compare], [swap], timeout=self.timeout))
+        if not resp.succeeded:
+            raise GenerationConflictError(
+                f"{namespace}/{name}: current is no longer generation {expected}; re-read and retry"
+            )
+        await self._prune(namespace, name, generation)
+        return generation
+
+    async def _prune(self, namespace: str, name: str, newest: int) -> None:
+        """Drop generations older than the last :data:`KEEP_GENERATIONS` (readers may still be
+        reading the previous one)."""
+        oldest_kept = newest - KEEP_GENERATIONS + 1
+        base = shard_prefix(namespace, name) + "gen/"
+        resp = await self._call("list", self._kv.get(base, range_end=etcd3aio.prefix_range_end(base),
+                                                     keys_only=True, timeout=self.timeout))
+        stale = {int(kv.key.decode()[len(base):].split("/", 1)[0]) for kv in resp.kvs}
+        for g in sorted(x for x in stale if x < oldest_kept):
+            prefix = generation_prefix(namespace, name, g)
+            await self._call("prune", self._kv.delete(prefix, range_end=etcd3aio.prefix_range_end(prefix),
+                                                      timeout=self.timeout))
+
+    async def read_generation(self, namespace: str, name: str, generation: int) -> ps.Placement:
+        """One stored generation, whole (raises :class:`ps.PlacementFormatError` if incomplete)."""
+        prefix = generation_prefix(namespace, name, generation)
+        resp = await self._call("read", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
+                                                     timeout=self.timeout))
+        values = {kv.key.decode()[len(prefix):]: bytes(kv.value) for kv in resp.kvs}
+        if "assignment" not in values:
+            raise ps.PlacementFormatError(f"{namespace}/{name} has no generation {generation}")
+        chunks = [values[k] for k in sorted(k for k in values if k.startswith("items/"))]
+        return ps.decode(values["assignment"], chunks)
+
+    async def read_current(self, namespace: str, name: str) -> ps.Placement | None:
+        """The current placement, or None before the first publish."""
+        generation = await self.current_generation(namespace, name)
+        return await self.read_generation(namespace, name, generation) if generation else None
+
+    async def watch_current(self, namespace: str, name: str) -> AsyncIterator[ps.Placement]:
+        """Yield the current placement (if any) and then every newly published one; the router and
+        sidecars follow placement with this. Reconnects are handled by the etcd client."""
+        ckey = current_key(namespace, name)
+        resp = await self._call("read", self._kv.get(ckey, timeout=self.timeout))
+        last = int(resp.kvs[0].value) if resp.kvs else 0
+        if last:
+            yield await self.read_generation(namespace, name, last)
+        watch = self._client.watch
+        assert watch is not None
+        try:
+            async for event_batch in watch.watch(ckey, start_revision=resp.header.revision + 1):
+                for event in event_batch.events:
+                    if event.type != 0 or not event.kv.value:  # 0 == PUT
+                        continue
+                    generation = int(event.kv.value)
+                    if generation > last:
+                        last = generation
+                        yield await self.read_generation(namespace, name, generation)
+        except _ERRORS as exc:
+            raise EtcdUnavailableError(f"etcd watch failed: {exc}") from exc
+
+    async def delete_all(self, namespace: str, name: str) -> int:
+        """Remove every key of one CacheShard (its finalizer calls this). Returns how many."""
+        prefix = shard_prefix(namespace, name)
+        resp = await self._call("delete", self._kv.delete(prefix, range_end=etcd3aio.prefix_range_end(prefix),
+                                                          timeout=self.timeout))
+        return int(resp.deleted)
+
+    async def keys(self, namespace: str, name: str) -> list[str]:
+        """Every key of one CacheShard, sorted (for inspection and tests)."""
+        prefix = shard_prefix(namespace, name)
+        resp = await self._call("list", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
+                                                     keys_only=True, timeout=self.timeout))
+        return sorted(kv.key.decode() for kv in resp.kvs)
+
+    # ---------------------------------------------------------------------------------- heat, warm
+
+    async def put_heat(
+        self, namespace: str, name: str, snapshot: Mapping[str, Any], *, ttl_seconds: int,
+        timestamp: float | None = None,
+    ) -> str:
+        """Store a hit-rate snapshot that etcd deletes by itself after ``ttl_seconds``."""
+        lease_svc = self._client.lease
+        assert lease_svc is not None
+        lease = await self._call("lease", lease_svc.grant(ttl_seconds, timeout=self.timeout))
+        ms = int((time.time() if timestamp is None else timestamp) * 1000)
+        key = heat_prefix(namespace, name) + f"{ms:015d}"
+        await self._call("put", self._kv.put(key, json.dumps(dict(snapshot)), lease=lease.ID, timeout=self.timeout))
+        return key
+
+    async def read_heat(self, namespace: str, name: str) -> list[tuple[float, dict[str, Any]]]:
+        """Live heat snapshots, oldest first, as ``(unix seconds, snapshot)``."""
+        prefix = heat_prefix(namespace, name)
+        resp = await self._call("read", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
+                                                     timeout=self.timeout))
+        out = [(int(kv.key.decode()[len(prefix):]) / 1000, json.loads(kv.value)) for kv in resp.kvs]
+        return sorted(out, key=lambda pair: pair[0])
+
+    async def put_warm(self, namespace: str, name: str, pod: str, clusters: Sequence[int], generation: int) -> None:
+        """A sidecar reports the clusters it has warmed (for ``generation``)."""
+        value = json.dumps({"generation": generation, "clusters": sorted(int(c) for c in clusters)})
+        await self._call("put", self._kv.put(warm_key(namespace, name, pod), value, timeout=self.timeout))
+
+    async def read_warm(self, namespace: str, name: str) -> dict[str, tuple[int, list[int]]]:
+        """Pod → (generation, warmed clusters); the router moves traffic only to warm replicas."""
+        prefix = shard_prefix(namespace, name) + "warm/"
+        resp = await self._call("read", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
+                                                     timeout=self.timeout))
+        out: dict[str, tuple[int, list[int]]] = {}
+        for kv in resp.kvs:
+            doc = json.loads(kv.value)
+            out[kv.key.decode()[len(prefix):]] = (int(doc["generation"]), [int(c) for c in doc["clusters"]])
+        return out
+
+    async def watch_warm(self, namespace: str, name: str) -> AsyncIterator[dict[str, tuple[int, list[int]]]]:
+        """Yield the whole warm map now and again after every change (a pod reported or left);
+        the router moves traffic to a new replica only once it shows up here."""
+        prefix = shard_prefix(namespace, name) + "warm/"
+        resp = await self._call("read", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
+                                                     timeout=self.timeout))
+        yield await self.read_warm(namespace, name)
+        watch = self._client.watch
+        assert watch is not None
+        try:
+            async for batch in watch.watch(prefix, range_end=etcd3aio.prefix_range_end(prefix),
+                                           start_revision=resp.header.revision + 1):
+                if batch.events:
+                    yield await self.read_warm(namespace, name)
+        except _ERRORS as exc:
+            raise EtcdUnavailableError(f"etcd watch failed: {exc}") from exc
+
+    async def delete_warm(self, namespace: str, name: str, pod: str) -> None:
+        """Forget a pod's warm set (it left the placement)."""
+        await self._call("delete", self._kv.delete(warm_key(namespace, name, pod), timeout=self.timeout))
+
+
+async def wait_for(store: EtcdStore, *, timeout: float) -> None:
+    """Ping until etcd answers or ``timeout`` passes (then :class:`EtcdUnavailableError`)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await store.ping()
+            return
+        except EtcdUnavailableError:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            await asyncio.sleep(0.2)

@@ -1,0 +1,149 @@
+"""The placement data model shared by the operator (writer), the router and the sidecars (readers).
+
+A :class:`Placement` is one *generation*: which pods hold each item cluster, which cluster each item
+belongs to, and how user-history blocks are kept. It is stored in etcd (DESIGN §6) as one
+``assignment`` value plus ``items/<chunk>`` values, every value ≤ :data:`MAX_VALUE_BYTES` because
+etcd refuses larger requests (1.5 MiB default) and big values stall its raft log.
+
+The encoding is JSON (readable with ``etcdctl get``) and versioned by ``schema``; readers refuse a
+schema they do not know rather than guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+SCHEMA = 1
+MAX_VALUE_BYTES = 1 << 20  # 1 MiB, DESIGN §6
+_CHUNK_TARGET = MAX_VALUE_BYTES - 4096  # room for the JSON wrapper
+
+
+class PlacementFormatError(ValueError):
+    """A stored value is not a placement this code understands (or one would exceed 1 MiB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One placement generation of one CacheShard."""
+
+    generation: int
+    assignment: Mapping[int, tuple[str, ...]]
+    """Cluster id → pods holding it (best first)."""
+    item_clusters: Mapping[str, int]
+    """Item id → cluster id."""
+    pods: tuple[str, ...] = ()
+    model: str = ""
+    revision: str = ""
+    history_policy: str = "ReplicateAll"
+    history_bytes_per_pod: int = 0
+
+    @property
+    def clusters(self) -> int:
+        return len(self.assignment)
+
+    def clusters_of(self, pod: str) -> list[int]:
+        """The clusters ``pod`` should warm, in id order."""
+        return sorted(c for c, holders in self.assignment.items() if pod in holders)
+
+    def pods_for_item(self, item_id: str) -> tuple[str, ...]:
+        """Pods holding ``item_id``'s cluster (empty for an unknown item: a cold-start item)."""
+        cluster = self.item_clusters.get(item_id)
+        return () if cluster is None else tuple(self.assignment.get(cluster, ()))
+
+    def items_of(self, cluster: int) -> list[str]:
+        return sorted(i for i, c in self.item_clusters.items() if c == cluster)
+
+
+def encode_assignment(placement: Placement, chunks: int) -> bytes:
+    """The ``gen/<G>/assignment`` value; pods are listed once and referenced by index."""
+    pods = sorted(set(placement.pods) | {p for h in placement.assignment.values() for p in h})
+    index = {p: i for i, p in enumerate(pods)}
+    doc = {
+        "schema": SCHEMA,
+        "generation": placement.generation,
+        "model": placement.model,
+        "revision": placement.revision,
+        "pods": pods,
+        "clusters": {str(c): [index[p] for p in h] for c, h in sorted(placement.assignment.items())},
+        "history": {"policy": placement.history_policy, "bytesPerPod": placement.history_bytes_per_pod},
+        "chunks": chunks,
+    }
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    if len(data) > MAX_VALUE_BYTES:
+        raise PlacementFormatError(
+            f"assignment of {len(placement.assignment)} clusters is {len(data)} bytes (> 1 MiB); use fewer clusters"
+        )
+    return data
+
+
+def encode_items(item_clusters: Mapping[str, int]) -> list[bytes]:
+    """The ``gen/<G>/items/<chunk>`` values: item → cluster, split so each stays under 1 MiB."""
+    chunks: list[bytes] = []
+    current: dict[str, int] = {}
+    size = 0
+    for item, cluster in sorted(item_clusters.items()):
+        entry = len(json.dumps({item: cluster})) + 1
+        if current and size + entry > _CHUNK_TARGET:
+            chunks.append(_dump_chunk(current))
+            current, size = {}, 0
+        current[item] = int(cluster)
+        size += entry
+    if current or not chunks:
+        chunks.append(_dump_chunk(current))
+    return chunks
+
+
+def _dump_chunk(items: Mapping[str, int]) -> bytes:
+    data = json.dumps({"schema": SCHEMA, "items": items}, separators=(",", ":")).encode()
+    if len(data) > MAX_VALUE_BYTES:
+        raise PlacementFormatError("a single item id is larger than 1 MiB")
+    return data
+
+
+def encode(placement: Placement) -> tuple[bytes, list[bytes]]:
+    """``(assignment value, item chunk values)`` for one generation."""
+    items = encode_items(placement.item_clusters)
+    return encode_assignment(placement, len(items)), items
+
+
+def _load(data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlacementFormatError(f"not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise PlacementFormatError(f"unknown placement schema {doc.get('schema') if isinstance(doc, dict) else doc!r}")
+    return doc
+
+
+def decode_assignment(data: bytes) -> tuple[Placement, int]:
+    """The placement without items, and how many item chunks belong to it."""
+    doc = _load(data)
+    pods: list[str] = doc["pods"]
+    assignment = {int(c): tuple(pods[i] for i in idx) for c, idx in doc["clusters"].items()}
+    placement = Placement(
+        generation=int(doc["generation"]),
+        assignment=assignment,
+        item_clusters={},
+        pods=tuple(pods),
+        model=doc.get("model", ""),
+        revision=doc.get("revision", ""),
+        history_policy=doc["history"]["policy"],
+        history_bytes_per_pod=int(doc["history"]["bytesPerPod"]),
+    )
+    return placement, int(doc["chunks"])
+
+
+def decode(assignment: bytes, chunks: Sequence[bytes] | Iterable[bytes]) -> Placement:
+    """A whole placement from its stored values (all chunks, in order)."""
+    placement, expected = decode_assignment(assignment)
+    chunk_list = list(chunks)
+    if len(chunk_list) != expected:
+        raise PlacementFormatError(f"generation {placement.generation} has {len(chunk_list)} of {expected} chunks")
+    items: dict[str, int] = {}
+    for chunk in chunk_list:
+        items.update({k: int(v) for k, v in _load(chunk)["items"].items()})
+    return dataclasses.replace(placement, item_clusters=items)

@@ -1,0 +1,148 @@
+"""Real servers for tests and the local cluster: start them on free loopback ports, stop them after.
+
+Tests of anything that talks to etcd run against a real etcd (Debian's ``etcd-server``, or any
+``etcd`` binary on ``$KVSHARD_ETCD_BINARY``/``PATH``) rather than a fake, because compare-and-swap,
+leases and watches are exactly what fakes get wrong. Each :class:`EtcdServer` has its own temporary
+data directory and ports, so parallel tests never share state.
+
+    with EtcdServer() as etcd:
+        client = Etcd3Client([etcd.endpoint])
+        ...
+        etcd.stop()      # simulate an outage (the data directory survives)
+        etcd.start()     # back on the same port with the same data
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+
+class EtcdNotInstalledError(FileNotFoundError):
+    """No etcd binary: install Debian's ``etcd-server`` or set ``KVSHARD_ETCD_BINARY``."""
+
+
+class EtcdStartError(RuntimeError):
+    """etcd did not become healthy in time; the message carries the end of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def etcd_binary() -> str:
+    """The etcd executable to run, or :class:`EtcdNotInstalledError`."""
+    explicit = os.environ.get("KVSHARD_ETCD_BINARY")
+    found = explicit or shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
+    if not found:
+        raise EtcdNotInstalledError("etcd not found: apt-get install etcd-server, or set KVSHARD_ETCD_BINARY")
+    return found
+
+
+class EtcdServer:
+    """A single-member etcd on loopback with a private data directory."""
+
+    def __init__(self, *, data_dir: Path | None = None, start_timeout: float = 20.0) -> None:
+        self.binary = etcd_binary()
+        self.host = "127.0.0.1"
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="kvshard-etcd-"))
+        self.start_timeout = start_timeout
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log = self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` as etcd clients (and ``CacheShard.spec.etcd.endpoints``) expect it."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> None:
+        """Start (or restart) etcd and wait until ``/health`` says it serves requests."""
+        if self.running:
+            return
+        peer = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            self.binary,
+            "--name", "kvshard-test",
+            "--data-dir", str(self.data_dir / "data"),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"kvshard-test={peer}",
+            "--initial-cluster-state", "new",
+            "--logger", "zap",
+            "--log-outputs", "stderr",
+        ]
+        log = open(self._log, "ab")  # noqa: SIM115 - owned by the child process
+        env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
+        self._process = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+        log.close()
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                break
+            if self._healthy():
+                return
+            time.sleep(0.05)
+        self.stop()
+        tail = self._log.read_text(errors="replace")[-2000:] if self._log.exists() else ""
+        raise EtcdStartError(f"etcd on {self.endpoint} did not become healthy:\n{tail}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5) as resp:
+                return b'"health":"true"' in resp.read()
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL); the data directory stays for a restart."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=10)
+        self._process = None
+
+    def close(self) -> None:
+        """Stop etcd and remove the data directory if we created it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self._log.unlink(missing_ok=True)
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""Status conditions as a list-map keyed by ``type`` (Kubernetes API conventions).
+
+Pure functions over plain lists of dicts, so handlers stay thin and tests need no cluster.
+``lastTransitionTime`` changes only when ``status`` changes; reason and message may change freely.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+READY = "Ready"
+PLACED = "Placed"
+REBALANCING = "Rebalancing"
+DEGRADED = "Degraded"
+TYPES = (READY, PLACED, REBALANCING, DEGRADED)
+
+TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
+
+Condition = dict[str, Any]
+
+
+def now() -> str:
+    """RFC 3339 UTC timestamp with seconds precision, as Kubernetes writes it."""
+    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def get(conditions: Sequence[Mapping[str, Any]] | None, type_: str) -> Condition | None:
+    """The condition of ``type_``, or None."""
+    for condition in conditions or ():
+        if condition.get("type") == type_:
+            return dict(condition)
+    return None
+
+
+def is_true(conditions: Sequence[Mapping[str, Any]] | None, type_: str) -> bool:
+    found = get(conditions, type_)
+    return bool(found and found.get("status") == TRUE)
+
+
+def set_condition(
+    conditions: Sequence[Mapping[str, Any]] | None,
+    type_: str,
+    status: str,
+    reason: str,
+    message: str = "",
+    *,
+    observed_generation: int | None = None,
+    at: str | None = None,
+) -> list[Condition]:
+    """A new list with ``type_`` set; order kept, new types appended."""
+    if status not in (TRUE, FALSE, UNKNOWN):
+        raise ValueError(f"condition status must be True/False/Unknown, not {status!r}")
+    if not reason or not reason[0].isupper() or not reason.isalnum():
+        raise ValueError(f"condition reason must be one CamelCase word, not {reason!r}")
+    out: list[Condition] = []
+    found = False
+    for old in conditions or ():
+        if old.get("type") != type_:
+            out.append(dict(old))
+            continue
+        found = True
+        changed = old.get("status") != status
+        out.append(_make(type_, status, reason, message, observed_generation,
+                         (at or now()) if changed else old.get("lastTransitionTime") or at or now()))
+    if not found:
+        out.append(_make(type_, status, reason, message, observed_generation, at or now()))
+    return out
+
+
+def _make(type_: str, status: str, reason: str, message: str, generation: int | None, at: str) -> Condition:
+    condition: Condition = {"type": type_, "status": status, "reason": reason, "message": message,
+                            "lastTransitionTime": at}
+    if generation is not None:
+        condition["observedGeneration"] = generation
+    return condition
+
+
+def ensure_all(
+    conditions: Sequence[Mapping[str, Any]] | None, *, observed_generation: int | None = None, at: str | None = None
+) -> list[Condition]:
+    """Every known type present (missing ones as ``Unknown``/``Pending``): written on first sight."""
+    out = [dict(c) for c in conditions or ()]
+    for type_ in TYPES:
+        if get(out, type_) is None:
+            out = set_condition(out, type_, UNKNOWN, "Pending", "not reconciled yet",
+                                observed_generation=observed_generation, at=at)
+    return out

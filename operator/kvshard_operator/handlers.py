@@ -1,0 +1,191 @@
+"""kopf handlers for CacheShard — thin: gather inputs, call :mod:`reconcile`, patch status.
+
+* create / update / resume → place and publish (update re-places with minimal movement, because
+  the previous generation in etcd seeds the assignment);
+* every ready pod is indexed; a per-CacheShard timer compares the selected ready pods with those of
+  the last attempt and re-places incrementally when they differ (this is what makes HPA scaling
+  work), and retries transient failures (etcd down) with exponential backoff;
+* delete → the finalizer removes every etcd key of the CacheShard first;
+* a rebalance timer is registered; its policy (hot/cold re-replication from Prometheus) arrives
+  with the router issue, so for now it only records that no policy is configured.
+
+Settings are read from the environment (:class:`~kvshard_operator.settings.Settings`) when this
+module is imported, because kopf fixes timer intervals at registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvshard import etcd_store
+from kvshard_operator import conditions as cond
+from kvshard_operator import crd, kube, metrics
+from kvshard_operator.reconcile import PodView, ShardState, ready_pods, reconcile
+from kvshard_operator.settings import Settings
+
+SETTINGS = Settings.from_env()
+RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
+PodIndex = kopf.Index[str | None, PodView]
+
+
+def _is_ready(status: Mapping[str, Any], meta: Mapping[str, Any]) -> bool:
+    if meta.get("deletionTimestamp"):
+        return False
+    for condition in status.get("conditions") or ():
+        if condition.get("type") == "Ready":
+            return bool(condition.get("status") == "True")
+    return False
+
+
+@kopf.on.startup()
+def configure(*, settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
+    """Our finalizer, progress kept in annotations (not in status), peering per settings."""
+    settings.persistence.finalizer = SETTINGS.finalizer
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=SETTINGS.annotation_prefix)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=SETTINGS.annotation_prefix)
+    settings.peering.standalone = not SETTINGS.peering
+    settings.posting.level = logging.WARNING
+    logger.info("kvshard operator configured: finalizer %s, peering %s", SETTINGS.finalizer,
+                "on" if SETTINGS.peering else "off")
+
+
+@kopf.index("pods")
+def pod_index(*, namespace: str | None, name: str, labels: Mapping[str, str], status: kopf.Status,
+              meta: kopf.Meta, **_: Any) -> dict[str | None, PodView]:
+    """Every pod by namespace, with its labels and readiness (selectors are evaluated later)."""
+    return {namespace: PodView(name=name, labels=dict(labels), ready=_is_ready(status, meta))}
+
+
+def _state(memo: Any) -> ShardState:
+    state = getattr(memo, "kvshard_shard", None)
+    if state is None:
+        state = ShardState()
+        memo.kvshard_shard = state
+    return state
+
+
+def _pods(index: PodIndex | None, namespace: str | None) -> list[PodView]:
+    return list(index.get(namespace, [])) if index is not None else []
+
+
+async def _place(
+    trigger: str, *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+    patch: kopf.Patch, memo: Any, pod_index: PodIndex | None, logger: kopf.Logger,
+) -> None:
+    state = _state(memo)
+    async with state.lock:
+        outcome = await reconcile(
+            namespace=str(namespace), name=name, spec=dict(spec), status=dict(status),
+            generation=meta.get("generation"), pods=_pods(pod_index, namespace), settings=SETTINGS, state=state,
+            trigger=trigger, logger=logger,
+            read_configmap=kube.read_configmap, read_secret=kube.read_etcd_credentials,
+        )
+    patch.status.update(outcome.status)
+    if outcome.retry_after is not None:
+        logger.warning("placement not published (%s); retrying in %.1f s", outcome.reason, outcome.retry_after)
+    elif outcome.published is None:
+        logger.warning("placement stopped: %s", outcome.reason)
+
+
+@kopf.on.create(*RESOURCE)
+async def create_shard(
+    *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+) -> None:
+    """A new CacheShard: first placement, generation 1."""
+    await _place("created", namespace=namespace, name=name, spec=spec, status=status, meta=meta, patch=patch,
+                 memo=memo, pod_index=pod_index, logger=logger)
+
+
+@kopf.on.update(*RESOURCE)
+async def update_shard(
+    *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+) -> None:
+    """The spec changed: re-place, keeping every cluster replica that may stay where it is."""
+    await _place("spec", namespace=namespace, name=name, spec=spec, status=status, meta=meta, patch=patch,
+                 memo=memo, pod_index=pod_index, logger=logger)
+
+
+@kopf.on.resume(*RESOURCE)
+async def resume_shard(
+    *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+) -> None:
+    """Operator restart: reconcile; publishes nothing if etcd already holds this placement."""
+    await _place("resume", namespace=namespace, name=name, spec=spec, status=status, meta=meta, patch=patch,
+                 memo=memo, pod_index=pod_index, logger=logger)
+
+
+@kopf.timer(*RESOURCE, interval=SETTINGS.pod_sync_seconds, initial_delay=SETTINGS.pod_sync_seconds)
+async def follow_pods(
+    *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+) -> None:
+    """Re-place when the selected ready pods changed, or when a transient-error retry is due."""
+    state = _state(memo)
+    if state.lock.locked():
+        return
+    due = state.retry_at is not None and time.monotonic() >= state.retry_at
+    selector = spec.get("podSelector") or {}
+    try:
+        live = tuple(ready_pods(_pods(pod_index, namespace), selector))
+    except ValueError:
+        return  # an invalid selector is reported by the change handlers
+    if state.attempted_pods is None or (live == state.attempted_pods and not due):
+        return
+    await _place("pods" if live != state.attempted_pods else "retry", namespace=namespace, name=name, spec=spec,
+                 status=status, meta=meta, patch=patch, memo=memo, pod_index=pod_index, logger=logger)
+
+
+@kopf.timer(*RESOURCE, interval=SETTINGS.rebalance_check_seconds, initial_delay=SETTINGS.rebalance_check_seconds)
+def rebalance(*, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, patch: kopf.Patch, logger: kopf.Logger,
+              **_: Any) -> None:
+    """Hot/cold rebalancing tick. The policy arrives with the router issue; until then this only
+    records, on shards that enable rebalancing, that no policy is configured."""
+    if not (spec.get("rebalance") or {}).get("enabled"):
+        return
+    current = cond.get(status.get("conditions"), cond.REBALANCING) or {}
+    if current.get("reason") == "NoPolicyConfigured":
+        return
+    logger.info("rebalancing is enabled but no rebalance policy is configured in this operator version")
+    patch.status["conditions"] = cond.set_condition(
+        cond.ensure_all(status.get("conditions")), cond.REBALANCING, cond.FALSE, "NoPolicyConfigured",
+        "no rebalance policy is configured in this operator version", observed_generation=meta.get("generation"))
+
+
+@kopf.on.delete(*RESOURCE)
+async def delete_shard(*, namespace: str | None, name: str, spec: kopf.Spec, logger: kopf.Logger, retry: int,
+                       **_: Any) -> None:
+    """The finalizer: remove every etcd key of this CacheShard before Kubernetes forgets it."""
+    endpoints = (spec.get("etcd") or {}).get("endpoints") or []
+    if not endpoints:
+        return
+    username = password = None
+    ref = (spec.get("etcd") or {}).get("secretRef")
+    if ref:
+        try:
+            username, password = kube.read_etcd_credentials(str(namespace), ref["name"])
+        except ValueError as exc:
+            logger.warning("cannot read etcd credentials (%s); trying without", exc)
+    try:
+        async with etcd_store.EtcdStore(endpoints, username=username, password=password,
+                                        timeout=SETTINGS.etcd_timeout_seconds, attempts=1) as store:
+            deleted = await store.delete_all(str(namespace), name)
+    except etcd_store.EtcdStoreError as exc:
+        metrics.PUBLISH_ERRORS.labels("unavailable").inc()
+        delay = min(SETTINGS.retry_backoff_seconds * 2 ** retry, SETTINGS.retry_backoff_max)
+        raise kopf.TemporaryError(f"etcd unavailable, keys kept: {exc}", delay=delay) from exc
+    if _has_gauge(str(namespace), name):
+        metrics.PLACEMENT_GENERATION.remove(str(namespace), name)
+    logger.info("removed %d etcd keys of %s/%s", deleted, namespace, name)
+
+
+def _has_gauge(namespace: str, name: str) -> bool:
+    return any(s.labels == {"namespace": namespace, "cacheshard": name}
+               for m in metrics.PLACEMENT_GENERATION.collect() for s in m.samples)

@@ -1,0 +1,35 @@
+"""Operator metrics, ``kvshard_operator_*`` (DESIGN §7): counts and durations, ratios in PromQL."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+PLACEMENT_SECONDS = Histogram(
+    "kvshard_operator_placement_seconds",
+    "Time to compute one placement (catalog, embeddings, clustering, assignment).",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+REBALANCES = Counter(
+    "kvshard_operator_rebalances_total",
+    "Placements published, by what triggered them.",
+    ["reason"],  # created | spec | pods | resume
+)
+MOVED_REPLICAS = Counter(
+    "kvshard_operator_moved_replicas_total",
+    "Cluster replicas placed on a pod that did not hold them (each costs a cache warm-up).",
+)
+PUBLISH_ERRORS = Counter(
+    "kvshard_operator_publish_errors_total",
+    "Failed attempts to publish a placement, by kind.",
+    ["kind"],  # unavailable | conflict | auth
+)
+INVALID = Counter(
+    "kvshard_operator_invalid_cacheshards_total",
+    "Reconciliations stopped by a user-input error, by condition reason.",
+    ["reason"],
+)
+PLACEMENT_GENERATION = Gauge(
+    "kvshard_operator_placement_generation",
+    "The placement generation last published, per CacheShard.",
+    ["namespace", "cacheshard"],
+)

@@ -1,0 +1,100 @@
+"""Operator settings: one typed dataclass, read from ``KVSHARD_OPERATOR_*`` and then from flags.
+
+Everything a deployment may tune lives here, with its meaning; nothing else reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ENV_PREFIX = "KVSHARD_OPERATOR_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How the operator runs. Environment: ``KVSHARD_OPERATOR_<FIELD IN UPPER CASE>``."""
+
+    namespaces: tuple[str, ...] = ()
+    """Namespaces to watch; empty means cluster-wide."""
+    finalizer: str = "kvshard.io/etcd-cleanup"
+    """Finalizer put on CacheShards so that deleting one removes its etcd keys first."""
+    annotation_prefix: str = "kvshard.io"
+    """Prefix of the annotations where kopf keeps handler progress and the last-handled spec."""
+    peering: bool = False
+    """Kopf peering (for several operator replicas). Off: one replica, no peering CRDs needed."""
+    liveness_endpoint: str = "http://0.0.0.0:8080/healthz"
+    """Where kopf serves the liveness probe; empty to disable."""
+    metrics_port: int = 9090
+    """Port of the Prometheus ``/metrics`` endpoint; 0 disables it."""
+    seed: int = 0
+    """Seed of the clustering, so every operator replica computes the same placement."""
+    slack_percent: int = 10
+    """How much bigger than n/k a cluster may grow (balanced k-means)."""
+    cooccurrence_percent: int = 0
+    """Pull items that share user histories this % towards each other before clustering (0: off)."""
+    kv_bytes_per_token: int = 23040
+    """KV bytes per cached token, to check capacity (SmolLM2-135M: 30 layers·3 kv heads·64·2·bf16)."""
+    pod_sync_seconds: float = 2.0
+    """How often each CacheShard compares its ready pods with the published placement."""
+    etcd_timeout_seconds: float = 5.0
+    """Deadline of each etcd call; when it passes the shard is Degraded and retried with backoff."""
+    retry_backoff_seconds: float = 2.0
+    """First retry delay after a transient error (etcd down); doubles up to ``retry_backoff_max``."""
+    retry_backoff_max: float = 60.0
+    """Longest retry delay after transient errors."""
+    rebalance_check_seconds: float = 30.0
+    """Tick of the rebalance timer (each CacheShard's own interval is in its spec)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Settings from ``KVSHARD_OPERATOR_*`` variables over the defaults."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + field.name.upper())
+            if raw is not None:
+                values[field.name] = _parse(field.type, raw, field.name)
+        return cls(**values)
+
+    def with_args(self, args: argparse.Namespace) -> Settings:
+        """These settings overridden by flags that were given (``None`` means not given)."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(self)
+                 if getattr(args, f.name, None) is not None}
+        if "namespaces" in given:
+            given["namespaces"] = tuple(given["namespaces"])
+        return dataclasses.replace(self, **given)
+
+
+def _parse(kind: Any, raw: str, name: str) -> Any:
+    kind = str(kind)
+    try:
+        if kind.startswith("tuple"):
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if kind == "bool":
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        return raw
+    except ValueError as exc:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind}") from exc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for the settings users change most; the rest come from the environment."""
+    parser.add_argument("--namespace", "-n", dest="namespaces", action="append",
+                        help="namespace to watch (repeatable; default: all namespaces)")
+    parser.add_argument("--peering", action=argparse.BooleanOptionalAction, default=None,
+                        help="enable kopf peering for several replicas (default: off)")
+    parser.add_argument("--liveness-endpoint", dest="liveness_endpoint", default=None,
+                        help="liveness probe URL to serve (default http://0.0.0.0:8080/healthz)")
+    parser.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
+                        help="port of /metrics (default 9090, 0 disables)")
+    parser.add_argument("--seed", type=int, default=None, help="clustering seed (default 0)")

@@ -1,0 +1,311 @@
+"""Unit tests on the rendered manifests: labels, names, least-privilege RBAC, restricted pods, the
+vLLM connector wiring, the shared /dev/shm, the peer token, autoscaling and network policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chart_helpers import (
+    VALUES_CASES,
+    Manifest,
+    container,
+    containers,
+    env,
+    find,
+    kind_name,
+    pod_specs,
+    render,
+)
+
+RECOMMENDED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                      "app.kubernetes.io/component", "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by",
+                      "helm.sh/chart")
+
+
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_every_object_and_pod_carries_the_recommended_labels(rendered: dict[str, list[Manifest]], case: str) -> None:
+    for obj in rendered[case]:
+        labels = obj["metadata"].get("labels", {})
+        missing = [k for k in RECOMMENDED_LABELS if k not in labels]
+        assert missing == [], f"{kind_name(obj)} lacks {missing}"
+        assert labels["app.kubernetes.io/part-of"] == "kvshard"
+        assert labels["app.kubernetes.io/instance"] == "kvs"
+    for where, _ in pod_specs(rendered[case]):
+        workload = next(o for o in rendered[case] if kind_name(o) == where)
+        pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert all(k in pod_labels for k in RECOMMENDED_LABELS), where
+        assert workload["spec"]["selector"]["matchLabels"].items() <= pod_labels.items(), where
+
+
+def test_names_and_labels_fit_63_characters_for_the_longest_release_name(helm_bin: Path) -> None:
+    release = "r" * 53  # Helm's own limit on release names
+    objects = render(helm_bin, VALUES_CASES["autoscaling"], release=release)
+    for obj in objects:
+        assert len(obj["metadata"]["name"]) <= 63, kind_name(obj)
+        assert all(len(v) <= 63 for v in obj["metadata"]["labels"].values()), kind_name(obj)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] != "Role" and o["kind"] != "RoleBinding"]
+    assert len(names) == len(set(names)), "truncation made two names collide"
+
+
+# ----------------------------------------------------------------------------------------------
+# RBAC: exactly what kopf and the handlers need. Each verb and its reason:
+#   customresourcedefinitions list, watch  kopf's resource observer (CRD added/upgraded after start)
+#   namespaces list, watch                  kopf's namespace observer (only with watchNamespaces)
+#   cacheshards list, watch                 kopf watches CacheShards (handlers, timers)
+#   cacheshards patch                       finalizer + kopf progress/diff-base annotations
+#   cacheshards/status patch                conditions, placementGeneration, counts
+#   pods list, watch                        the pod index (ready pods selected by spec.podSelector)
+#   configmaps get                          spec.catalog.configMap
+#   secrets get                             spec.etcd.secretRef (etcd username/password)
+#   events create                           kopf posts handler warnings/errors as Events
+# ----------------------------------------------------------------------------------------------
+Rule = tuple[str, str, frozenset[str]]
+NAMESPACED_RULES: set[Rule] = {
+    ("kvshard.io", "cacheshards", frozenset({"list", "watch", "patch"})),
+    ("kvshard.io", "cacheshards/status", frozenset({"patch"})),
+    ("", "pods", frozenset({"list", "watch"})),
+    ("", "configmaps", frozenset({"get"})),
+    ("", "secrets", frozenset({"get"})),
+    ("", "events", frozenset({"create"})),
+}
+CRD_DISCOVERY: Rule = ("apiextensions.k8s.io", "customresourcedefinitions", frozenset({"list", "watch"}))
+NAMESPACE_DISCOVERY: Rule = ("", "namespaces", frozenset({"list", "watch"}))
+
+
+def _rules(role: Manifest) -> set[Rule]:
+    out: set[Rule] = set()
+    for rule in role["rules"]:
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.add((group, resource, frozenset(rule["verbs"])))
+    return out
+
+
+def test_operator_rbac_watching_every_namespace_is_exactly_what_kopf_needs(
+        rendered: dict[str, list[Manifest]]) -> None:
+    objects = rendered["default"]
+    assert _rules(find(objects, "ClusterRole", "-operator")) == NAMESPACED_RULES | {CRD_DISCOVERY}
+    assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding")]
+    binding = find(objects, "ClusterRoleBinding", "-operator")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvs-kvshard-operator", "namespace": "recommend"}]
+
+
+def test_operator_rbac_watching_listed_namespaces_uses_one_role_per_namespace(
+        rendered: dict[str, list[Manifest]]) -> None:
+    objects = rendered["external-etcd"]
+    assert _rules(find(objects, "ClusterRole", "-operator")) == {CRD_DISCOVERY, NAMESPACE_DISCOVERY}
+    roles = [o for o in objects if o["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["recommend", "recommend-canary"]
+    for role in roles:
+        assert _rules(role) == NAMESPACED_RULES
+    bindings = [o for o in objects if o["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["recommend", "recommend-canary"]
+    operator = container(find(objects, "Deployment", "-operator")["spec"]["template"]["spec"], "operator")
+    assert env(operator)["KVSHARD_OPERATOR_NAMESPACES"] == "recommend,recommend-canary"
+
+
+def test_no_rbac_grants_wildcards_or_write_access_beyond_patch(rendered: dict[str, list[Manifest]]) -> None:
+    for case in VALUES_CASES:
+        for role in (o for o in rendered[case] if o["kind"] in ("Role", "ClusterRole")):
+            for rule in role["rules"]:
+                assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+                forbidden = {"delete", "deletecollection", "update", "escalate", "bind", "impersonate"}
+                assert not forbidden & set(rule["verbs"]), rule
+
+
+@pytest.mark.parametrize("case", ["default", "autoscaling"])
+def test_only_the_operator_gets_a_kubernetes_api_token(rendered: dict[str, list[Manifest]], case: str) -> None:
+    for where, pod in pod_specs(rendered[case]):
+        if where.endswith("-operator"):
+            assert pod["serviceAccountName"] == "kvs-kvshard-operator"
+        else:
+            assert pod["automountServiceAccountToken"] is False, where
+
+
+# ----------------------------------------------------------------------------------------------
+# Restricted Pod Security on every pod and container.
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_every_container_runs_restricted(rendered: dict[str, list[Manifest]], case: str) -> None:
+    for where, pod in pod_specs(rendered[case]):
+        assert pod["securityContext"]["runAsNonRoot"] is True, where
+        assert pod["securityContext"]["runAsUser"] > 0, where
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC"), where
+        for c in containers(pod):
+            sc = c["securityContext"]
+            assert sc["runAsNonRoot"] is True, (where, c["name"])
+            assert sc["allowPrivilegeEscalation"] is False, (where, c["name"])
+            assert sc["capabilities"] == {"drop": ["ALL"]}, (where, c["name"])
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, (where, c["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (where, c["name"])
+            assert not sc.get("privileged"), (where, c["name"])
+            assert "memory" in c["resources"]["limits"], (where, c["name"])
+        assert not any("hostPath" in v for v in pod.get("volumes", [])), where
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine pod: vLLM with the kvshard connector beside the sidecar, sharing /dev/shm.
+# ----------------------------------------------------------------------------------------------
+def _engine(objects: list[Manifest]) -> dict[str, Any]:
+    return dict(find(objects, "StatefulSet", "-engine")["spec"]["template"]["spec"])
+
+
+def test_vllm_container_loads_the_kvshard_connector(rendered: dict[str, list[Manifest]]) -> None:
+    pod = _engine(rendered["default"])
+    vllm = container(pod, "vllm")
+    assert vllm["command"] == ["vllm", "serve"]
+    args = vllm["args"]
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert config == {
+        "kv_connector": "KvshardConnector",
+        "kv_connector_module_path": "kvshard_sidecar.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"exchange_dir": "/dev/shm/kvshard-exchange"},
+    }
+    assert args[0] == env(container(pod, "sidecar"))["KVSHARD_SIDECAR_MODEL"], "both containers load one model"
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_kind_values_run_on_cpu_with_the_baked_in_model(rendered: dict[str, list[Manifest]]) -> None:
+    pod = _engine(rendered["kind"])
+    for c in containers(pod):
+        assert "nvidia.com/gpu" not in c["resources"].get("limits", {}), c["name"]
+    assert [c["name"] for c in containers(pod)] == ["vllm", "sidecar"], "no model download on kind"
+    vllm = container(pod, "vllm")
+    assert vllm["args"][0] == "/opt/kvshard/models/SmolLM2-135M-Instruct"
+    assert {"--dtype=float32", "--enforce-eager", "--gpu-memory-utilization=0.2"} <= set(vllm["args"])
+    assert env(container(pod, "sidecar"))["KVSHARD_SIDECAR_DEVICE"] == "cpu"
+
+
+def test_sidecar_decodes_through_the_local_vllm_and_the_same_exchange(rendered: dict[str, list[Manifest]]) -> None:
+    pod = _engine(rendered["default"])
+    sidecar_env = env(container(pod, "sidecar"))
+    vllm = container(pod, "vllm")
+    assert sidecar_env["KVSHARD_SIDECAR_ENGINE"] == "vllm"
+    assert sidecar_env["KVSHARD_SIDECAR_VLLM_URL"] == "http://127.0.0.1:8000"
+    assert "--port=8000" in vllm["args"]
+    exchange = json.loads(vllm["args"][vllm["args"].index("--kv-transfer-config") + 1])
+    assert sidecar_env["KVSHARD_SIDECAR_EXCHANGE_DIR"] == exchange["kv_connector_extra_config"]["exchange_dir"]
+    assert sidecar_env["KVSHARD_SIDECAR_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+
+def test_dev_shm_is_one_in_memory_volume_shared_by_both_containers(rendered: dict[str, list[Manifest]]) -> None:
+    pod = _engine(rendered["default"])
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    for name in ("vllm", "sidecar"):
+        mounts = {m["mountPath"]: m for m in container(pod, name)["volumeMounts"]}
+        assert mounts["/dev/shm"]["name"] == "shm" and not mounts["/dev/shm"].get("readOnly")
+
+
+def test_peer_token_comes_from_a_mounted_secret(rendered: dict[str, list[Manifest]]) -> None:
+    objects = rendered["default"]
+    secret = find(objects, "Secret", "-peer-token")
+    assert set(secret["data"]) == {"token"}
+    pod = _engine(objects)
+    volume = next(v for v in pod["volumes"] if v["name"] == "peer-token")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    sidecar = container(pod, "sidecar")
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "peer-token")
+    assert mount["readOnly"] is True
+    assert env(sidecar)["KVSHARD_SIDECAR_PEER_TOKEN_FILE"] == mount["mountPath"] + "/token"
+    assert "KVSHARD_SIDECAR_PEER_TOKEN" not in env(sidecar), "the token itself never sits in the pod spec"
+    assert not any(m["name"] == "peer-token" for m in container(pod, "vllm")["volumeMounts"])
+
+
+def test_an_existing_peer_token_secret_replaces_the_generated_one(rendered: dict[str, list[Manifest]]) -> None:
+    objects = rendered["external-etcd"]
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    volume = next(v for v in _engine(objects)["volumes"] if v["name"] == "peer-token")
+    assert volume["secret"]["secretName"] == "kvshard-peer-token"
+
+
+def test_sidecar_peers_are_the_engine_pods_by_stable_dns(rendered: dict[str, list[Manifest]]) -> None:
+    peers = env(container(_engine(rendered["default"]), "sidecar"))["KVSHARD_SIDECAR_PEERS"].split(",")
+    assert peers == [f"http://kvs-kvshard-engine-{i}.kvs-kvshard-engine-peers.recommend.svc:8100" for i in range(2)]
+    autoscaled = env(container(_engine(rendered["autoscaling"]), "sidecar"))["KVSHARD_SIDECAR_PEERS"]
+    assert len(autoscaled.split(",")) == 6, "autoscaling lists every pod up to maxReplicas"
+
+
+def test_engine_readiness_waits_for_the_model_and_vllm(rendered: dict[str, list[Manifest]]) -> None:
+    pod = _engine(rendered["default"])
+    assert container(pod, "sidecar")["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container(pod, "vllm")["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container(pod, "fetch-model")["command"][-3:] == [
+        "/models/model", "HuggingFaceTB/SmolLM2-135M-Instruct", "main"]
+
+
+def test_container_settings_are_real_settings_of_the_commands(rendered: dict[str, list[Manifest]]) -> None:
+    from kvshard_operator.settings import Settings as OperatorSettings
+    from kvshard_sidecar.settings import SidecarSettings
+
+    sidecar_fields = {f"KVSHARD_SIDECAR_{f.name.upper()}" for f in dataclasses.fields(SidecarSettings)}
+    operator_fields = {f"KVSHARD_OPERATOR_{f.name.upper()}" for f in dataclasses.fields(OperatorSettings)}
+    pod = _engine(rendered["default"])
+    used = {k for k in env(container(pod, "sidecar")) if k.startswith("KVSHARD_SIDECAR_")}
+    assert used and used <= sidecar_fields, used - sidecar_fields
+    operator = container(find(rendered["default"], "Deployment", "-operator")["spec"]["template"]["spec"], "operator")
+    used = {k for k in env(operator) if k.startswith("KVSHARD_OPERATOR_")}
+    assert used and used <= operator_fields, used - operator_fields
+
+
+# ----------------------------------------------------------------------------------------------
+# Operator, autoscaling, network policy, router.
+# ----------------------------------------------------------------------------------------------
+def test_operator_is_one_replica_replaced_not_rolled_with_a_liveness_probe(rendered: dict[str, list[Manifest]]) -> None:
+    deployment = find(rendered["default"], "Deployment", "-operator")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    operator = container(deployment["spec"]["template"]["spec"], "operator")
+    assert operator["args"] == ["operator", "run"]
+    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    ports = {p["name"]: p["containerPort"] for p in operator["ports"]}
+    assert env(operator)["KVSHARD_OPERATOR_LIVENESS_ENDPOINT"] == f"http://0.0.0.0:{ports['healthz']}/healthz"
+    assert env(operator)["KVSHARD_OPERATOR_METRICS_PORT"] == str(ports["metrics"])
+    assert env(operator)["KVSHARD_OPERATOR_PEERING"] == "false"
+
+
+def test_autoscaled_engine_leaves_replicas_to_the_hpa(rendered: dict[str, list[Manifest]]) -> None:
+    objects = rendered["autoscaling"]
+    assert "replicas" not in find(objects, "StatefulSet", "-engine")["spec"]
+    hpa = find(objects, "HorizontalPodAutoscaler")
+    target = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "kvs-kvshard-engine"}
+    assert hpa["spec"]["scaleTargetRef"] == target
+    assert hpa["spec"]["metrics"][0]["type"] == "Pods"
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kvshard_sidecar_requests"
+    keda = find(rendered["autoscaling-keda"], "ScaledObject")
+    assert keda["spec"]["scaleTargetRef"]["name"] == "kvs-kvshard-engine"
+    assert not [o for o in rendered["autoscaling-keda"] if o["kind"] == "HorizontalPodAutoscaler"]
+    assert find(rendered["default"], "StatefulSet", "-engine")["spec"]["replicas"] == 2
+
+
+def test_only_router_and_peer_sidecars_reach_the_sidecar_api(rendered: dict[str, list[Manifest]]) -> None:
+    policy = find(rendered["default"], "NetworkPolicy", "-engine")
+    api_rule, metrics_rule = policy["spec"]["ingress"]
+    components = sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in api_rule["from"])
+    assert components == ["engine", "router"]
+    assert all(p["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "kvs" for p in api_rule["from"])
+    assert api_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert list(metrics_rule["from"][0]) == ["namespaceSelector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+
+
+def test_services_select_pods_that_exist(rendered: dict[str, list[Manifest]]) -> None:
+    for case in VALUES_CASES:
+        pod_labels = [o["spec"]["template"]["metadata"]["labels"] for o in rendered[case]
+                      if o["kind"] in ("Deployment", "StatefulSet")]
+        for service in (o for o in rendered[case] if o["kind"] == "Service"):
+            selector = service["spec"]["selector"].items()
+            assert any(selector <= labels.items() for labels in pod_labels), kind_name(service)
+
+
+def test_router_is_off_by_default_because_it_does_not_exist_yet(rendered: dict[str, list[Manifest]]) -> None:
+    assert not [o for o in rendered["default"] if o["metadata"]["name"].endswith("-router")]
+    router = find(rendered["autoscaling"], "Deployment", "-router")
+    assert container(router["spec"]["template"]["spec"], "router")["args"] == ["router", "serve"]
