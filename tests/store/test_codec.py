@@ -53,7 +53,7 @@ def test_encoding_is_plain_safetensors_with_key_and_checksum_metadata() -> None:
     header, _ = _header(data)
     metadata = header["__metadata__"]
     assert isinstance(metadata, dict)
-    assert metadata["block_key"] == KEY and len(metadata["checksum_blake2b"]) == 64
+    assert metadata["block_key"] == KEY and len(metadata["checksum_blake3"]) == 64
 
 
 def test_decoded_tensors_own_their_memory_and_are_writable() -> None:

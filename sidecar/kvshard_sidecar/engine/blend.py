@@ -1,0 +1,583 @@
+"""The blend engine: segment blocks in, first-token logits and a decodable KV out (DESIGN §4).
+
+One request goes through four steps, each timed:
+
+1. **fetch** every cached segment's block from the :class:`~kvshard_sidecar.engine.source.BlockSource`
+   (the uncached suffix — the last segment — is never fetched);
+2. **compute** the missing ones (the cold path) and put them back, so the next request hits;
+3. **assemble**: copy blocks into one :class:`~kvshard_sidecar.engine.kvbuffer.KVBuffer` at their
+   prompt positions and re-rotate their keys from ``0..T-1`` to ``start..start+T-1``
+   (:mod:`~kvshard_sidecar.engine.rope`);
+4. **layers**: selective recompute. The selector's :class:`~kvshard_sidecar.engine.selectors.Plan`
+   says which positions run from layer 0; at a check layer their fresh K/V are scored against the
+   cached rows and the set narrows. At every layer the running set's fresh K/V overwrite their rows
+   *before* attention, and its queries attend over all rows with a causal mask by position — so
+   unselected tokens contribute their cached KV, selected ones their fresh KV, and ``r = 1`` is a full
+   prefill. The last position (always selected: it is in the suffix) gives the first-token logits.
+
+Blocks are prefilled standalone at position 0, behind the prompt's system segment, or behind the
+system segment plus a short neutral text (``BlendSettings.prefill_context``); the block key's
+``context`` records which, so they never collide. Leading segments whose block is an exact prefix
+of the prompt (the first segment; behind a system context also the one right after it) are never
+recomputed — a prefix cache would not recompute them either.
+
+``full`` (whole-prompt prefill) and ``prefix`` (a prefix cache's best: reuse the exact prefix, prefill
+the rest) run through the same layer loop, which is what makes "r = 1 equals full" a real check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvshard.segments import ModelIdentity, Prompt, Segment, SegmentKind, block_key
+from kvshard_sidecar.blockstore.block import KVBlock
+from kvshard_sidecar.engine.executor import Executor
+from kvshard_sidecar.engine.kvbuffer import KVBuffer
+from kvshard_sidecar.engine.rope import apply_rotary, rotate_keys, rotation_tables
+from kvshard_sidecar.engine.selectors import (
+    Layout,
+    Plan,
+    attention_received,
+    deviation_scores,
+    plan,
+    select_top,
+)
+from kvshard_sidecar.engine.settings import BlendSettings
+from kvshard_sidecar.engine.source import BlockSource, MemoryBlockSource, tier_name
+
+
+@dataclass
+class BlendResult:
+    """What one prefill produced.
+
+    Attributes:
+        method: ``full``, ``prefix`` or the selector name.
+        logits: float32 ``[vocab]`` of the first generated token.
+        ttft_s: wall time from request to logits (fetch + compute + assemble + layers + head).
+        timings: seconds per step: ``fetch``, ``compute`` (cold blocks), ``assemble``, ``layers``, ``head``.
+        num_tokens: prompt length N.
+        exact_prefix_tokens: leading tokens served exactly from cache, never recomputed.
+        recomputed_tokens: tokens that ran through the last layer.
+        token_layers: Σ over layers of tokens whose K/V were computed there (the cost model's unit).
+        query_tokens: prompt tokens per segment kind.
+        hit_tokens: tokens served from a tier, per kind then tier (``memory``, ``disk``, ``peer``…).
+        computed_tokens: tokens of blocks computed on the cold path, per kind.
+        selected: positions recomputed at the last layer.
+        kv: the prompt's KV after prefill (what decoding continues on).
+    """
+
+    method: str
+    logits: torch.Tensor
+    ttft_s: float
+    timings: dict[str, float]
+    num_tokens: int
+    exact_prefix_tokens: int
+    recomputed_tokens: int
+    token_layers: int
+    num_layers: int
+    query_tokens: dict[str, int]
+    hit_tokens: dict[str, dict[str, int]]
+    computed_tokens: dict[str, int]
+    selected: torch.Tensor
+    kv: KVBuffer = field(repr=False)
+
+    @property
+    def recompute_ratio(self) -> float:
+        """Share of the prompt that ran through the last layer."""
+        return self.recomputed_tokens / max(1, self.num_tokens)
+
+    @property
+    def full_token_layers(self) -> int:
+        return self.num_tokens * self.num_layers
+
+    @property
+    def ideal_speedup(self) -> float:
+        """Full prefill's token-layers over this prefill's: the speedup if cost were linear in them."""
+        return self.full_token_layers / max(1, self.token_layers)
+
+    @property
+    def cold(self) -> bool:
+        return bool(self.computed_tokens)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding policy: greedy when ``temperature == 0``; else softmax sampling, optionally top-k."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int | None = None
+
+
+@dataclass
+class Generation:
+    """Decoded token ids (the first comes from the prefill's logits) and, if kept, each step's logits."""
+
+    token_ids: list[int]
+    logits: list[torch.Tensor]
+    stopped: bool
+
+
+@dataclass
+class _Assembly:
+    kv: KVBuffer
+    exact_prefix: int
+    timings: dict[str, float]
+    query_tokens: dict[str, int]
+    hit_tokens: dict[str, dict[str, int]]
+    computed_tokens: dict[str, int]
+
+
+class BlendEngine:
+    """Blends cached segment KV for one model; thread-compatible, not thread-safe (one request at a time)."""
+
+    def __init__(
+        self,
+        model: Any,
+        identity: ModelIdentity,
+        store: BlockSource | None = None,
+        settings: BlendSettings | None = None,
+    ) -> None:
+        self.executor = Executor(model)
+        self.identity = identity
+        self.store: BlockSource = store if store is not None else MemoryBlockSource()
+        self.settings = settings or BlendSettings()
+        self.settings.validate(self.executor.shape.num_layers)
+        if self.settings.threads:
+            torch.set_num_threads(self.settings.threads)
+
+    @classmethod
+    def load(
+        cls, path: Path | str | None = None, store: BlockSource | None = None, settings: BlendSettings | None = None
+    ) -> BlendEngine:
+        """Load a Llama-family folder (default: the prepared SmolLM2) on the settings' device/dtype."""
+        from kvshard_sidecar.model import load_model
+
+        settings = settings or BlendSettings()
+        loaded = load_model(path, dtype=settings.dtype, device=settings.device)
+        return cls(loaded.model, loaded.identity, store, settings)
+
+    # ----------------------------------------------------------------- blocks
+
+    def block_keys(self, prompt: Prompt, settings: BlendSettings | None = None) -> list[str]:
+        """The key of every segment's block as this engine stores it (the suffix's too, unused)."""
+        settings = settings or self.settings
+        context_segment = _system_context(prompt, settings.prefill_context)
+        context_key = block_key(self.identity, context_segment) if context_segment else ""
+        neutral = _neutral_segment(settings) if context_segment is not None else None
+        later_key = f"{context_key}+{block_key(self.identity, neutral, context_key)}" if neutral else context_key
+        keys = []
+        for index, segment in enumerate(prompt.segments):
+            if context_segment is None or index == 0:
+                context = ""
+            else:
+                context = context_key if _behind_system_only(prompt, index, settings) else later_key
+            keys.append(block_key(self.identity, segment, context))
+        return keys
+
+    def prefill_segment(self, segment: Segment, context: KVBlock | None = None) -> KVBlock:
+        """Compute one segment's block; see :meth:`prefill_segments`."""
+        return self.prefill_segments([segment], context)[0]
+
+    @torch.inference_mode()
+    def prefill_segments(self, segments: Sequence[Segment], context: KVBlock | None = None) -> list[KVBlock]:
+        """Compute segments' blocks, each alone at position 0 or each behind ``context`` (an exact prefix).
+
+        All segments go through the layers in one batch: rows ``[context | seg 1 | seg 2 | ...]`` with a
+        block mask (each segment sees the context and its own earlier tokens, never another segment)
+        and RoPE positions restarting at ``P`` for every segment — the same arithmetic as one prefill
+        per segment, in one pass. Behind a context of P tokens the keys come out rotated for
+        ``P..P+T-1``; they are rotated back by ``-P`` so every block follows one convention (keys as at
+        positions ``0..T-1``).
+        """
+        ex = self.executor
+        shape = ex.shape
+        before = context.num_tokens if context is not None else 0
+        lengths = [len(s) for s in segments]
+        total = before + sum(lengths)
+        kv = KVBuffer.empty(shape.num_layers, shape.num_kv_heads, total, shape.head_dim, ex.dtype, ex.device)
+        if context is not None:
+            kv.keys[:, :, :before] = context.keys.to(kv.keys)
+            kv.values[:, :, :before] = context.values.to(kv.values)
+        ids = torch.zeros(total, dtype=torch.long, device=ex.device)
+        ids[before:] = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=ex.device)
+        owner = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(lengths)).to(ex.device)
+        local = torch.cat([torch.arange(n) for n in lengths]).to(ex.device)
+        rows = torch.arange(before, total, device=ex.device)
+        # query row i (segment a, local t) may see the context and rows of segment a up to t
+        same = owner[:, None] == owner[None, :]
+        causal = local[None, :] <= local[:, None]
+        mask = torch.cat((torch.ones(len(rows), before, dtype=torch.bool, device=ex.device), same & causal), 1)
+        steps = Plan(rows, torch.zeros(total, dtype=torch.bool), (), "kv")
+        self._run(kv, ids, steps, causal=False, need_hidden=False, positions=local + before, mask=mask)
+        blocks = []
+        offset = before
+        for n in lengths:
+            keys = kv.keys[:, :, offset : offset + n]
+            if before:
+                keys = torch.stack([rotate_keys(k, -before, ex.inv_freq) for k in keys.unbind(0)])
+            blocks.append(KVBlock(keys.contiguous(), kv.values[:, :, offset : offset + n].contiguous()))
+            offset += n
+        return blocks
+
+    def _fetch_or_compute(
+        self, segments: Sequence[Segment], keys: Sequence[str], context: KVBlock | None, stats: _Assembly
+    ) -> list[KVBlock]:
+        """Blocks for ``segments``: store hits as they are, misses computed in one batch and stored."""
+        found: list[KVBlock | None] = []
+        start = time.perf_counter()
+        for segment, key in zip(segments, keys, strict=True):
+            hit = self.store.get(key)
+            if hit is not None:
+                tiers = stats.hit_tokens.setdefault(segment.kind.value, {})
+                tier = tier_name(hit.tier)
+                tiers[tier] = tiers.get(tier, 0) + len(segment)
+            found.append(hit.block if hit is not None else None)
+        stats.timings["fetch"] += time.perf_counter() - start
+        missing = [i for i, block in enumerate(found) if block is None]
+        if missing:
+            start = time.perf_counter()
+            computed = self.prefill_segments([segments[i] for i in missing], context)
+            for index, block in zip(missing, computed, strict=True):
+                self.store.put(keys[index], block)
+                found[index] = block
+                kind = segments[index].kind.value
+                stats.computed_tokens[kind] = stats.computed_tokens.get(kind, 0) + len(segments[index])
+            self._sync()
+            stats.timings["compute"] += time.perf_counter() - start
+        return [block for block in found if block is not None]
+
+    def _assemble(self, prompt: Prompt, settings: BlendSettings, upto: int | None) -> _Assembly:
+        """Fetch/compute blocks of segments ``[0, upto)`` (never the suffix) into a rotated KV buffer."""
+        ex, shape = self.executor, self.executor.shape
+        segments = prompt.segments
+        cached = len(segments) - 1 if upto is None else min(upto, len(segments) - 1)
+        n = len(prompt)
+        kv = KVBuffer.empty(shape.num_layers, shape.num_kv_heads, n, shape.head_dim, ex.dtype, ex.device)
+        stats = _Assembly(kv, 0, {"fetch": 0.0, "compute": 0.0, "assemble": 0.0}, {}, {}, {})
+        for segment in segments:
+            stats.query_tokens[segment.kind.value] = stats.query_tokens.get(segment.kind.value, 0) + len(segment)
+        spans = prompt.spans
+        fetched = self._blocks(prompt, settings, cached, stats)
+        blocks = [(spans[index].start, block) for index, block in enumerate(fetched)]
+        start = time.perf_counter()
+        self._place(kv, blocks)
+        self._sync()
+        stats.timings["assemble"] += time.perf_counter() - start
+        stats.exact_prefix = spans[_exact_segments(prompt, settings, cached)].start
+        return stats
+
+    def _blocks(self, prompt: Prompt, settings: BlendSettings, count: int, stats: _Assembly) -> list[KVBlock]:
+        """Blocks of the first ``count`` segments, fetched or computed (each batch behind its context)."""
+        segments = prompt.segments[:count]
+        keys = self.block_keys(prompt, settings)[:count]
+        if not segments:
+            return []
+        if _system_context(prompt, settings.prefill_context) is None:
+            return self._fetch_or_compute(segments, keys, None, stats)
+        system = self._fetch_or_compute(segments[:1], keys[:1], None, stats)[0]
+        alone = [i for i in range(1, count) if _behind_system_only(prompt, i, settings)]
+        later = [i for i in range(1, count) if i not in alone]
+        found: dict[int, KVBlock] = {0: system}
+        for group, context in ((alone, system), (later, None)):
+            if not group:
+                continue
+            neutral = _neutral_segment(settings)
+            if context is None:
+                context = system if neutral is None else self._neutral_context(system, neutral, keys[0], stats)
+            blocks = self._fetch_or_compute([segments[i] for i in group], [keys[i] for i in group], context, stats)
+            found.update(zip(group, blocks, strict=True))
+        return [found[i] for i in range(count)]
+
+    @torch.inference_mode()
+    def ensure_blocks(self, prompt: Prompt, settings: BlendSettings | None = None) -> dict[str, int]:
+        """Make sure every segment of ``prompt`` has its block stored (warming: no segment is treated as
+        the suffix); returns the tokens computed per kind (empty when everything was already stored).
+
+        Warm an item with ``Prompt.of([system, item])``: blocks get the keys a request's blend looks up.
+        """
+        settings = settings or self.settings
+        shape = self.executor.shape
+        empty = KVBuffer.empty(shape.num_layers, shape.num_kv_heads, 0, shape.head_dim,
+                               self.executor.dtype, self.executor.device)
+        stats = _Assembly(empty, 0, {"fetch": 0.0, "compute": 0.0, "assemble": 0.0}, {}, {}, {})
+        self._blocks(prompt, settings, len(prompt.segments), stats)
+        return stats.computed_tokens
+
+    def _neutral_context(self, system: KVBlock, neutral: Segment, system_key: str, stats: _Assembly) -> KVBlock:
+        """System block followed by the neutral text's block (itself cached behind the system)."""
+        scratch = _Assembly(stats.kv, 0, stats.timings, {}, {}, {})  # its tokens are not the prompt's
+        key = block_key(self.identity, neutral, system_key)
+        block = self._fetch_or_compute([neutral], [key], system, scratch)[0]
+        moved = torch.stack([rotate_keys(k, system.num_tokens, self.executor.inv_freq) for k in block.keys.unbind(0)])
+        return KVBlock(torch.cat((system.keys, moved.to(system.keys)), 2),
+                       torch.cat((system.values, block.values.to(system.values)), 2))
+
+    def _place(self, kv: KVBuffer, blocks: Sequence[tuple[int, KVBlock]]) -> None:
+        """Copy blocks to their rows and re-rotate each key row by its block's offset (one pass per layer)."""
+        if not blocks:
+            return
+        device = self.executor.device
+        shifts = torch.zeros(kv.capacity, dtype=torch.long)
+        for offset, block in blocks:
+            end = offset + block.num_tokens
+            kv.keys[:, :, offset:end] = block.keys.to(device=device, dtype=kv.keys.dtype)
+            kv.values[:, :, offset:end] = block.values.to(device=device, dtype=kv.values.dtype)
+            shifts[offset:end] = offset
+        moved = torch.nonzero(shifts).reshape(-1)
+        if moved.numel() == 0:
+            return
+        lo, hi = int(moved[0]), int(moved[-1]) + 1
+        cos, sin = rotation_tables(shifts[lo:hi], self.executor.inv_freq, device=device)
+        for layer in range(kv.keys.shape[0]):
+            rows = kv.keys[layer, :, lo:hi]
+            rows.copy_(apply_rotary(rows.float(), cos, sin))
+
+    # ----------------------------------------------------------------- prefill paths
+
+    @torch.inference_mode()
+    def full(self, prompt: Prompt) -> BlendResult:
+        """Reference: an ordinary causal prefill of the whole prompt through the same executor."""
+        ex, shape = self.executor, self.executor.shape
+        start = time.perf_counter()
+        n = len(prompt)
+        kv = KVBuffer.empty(shape.num_layers, shape.num_kv_heads, n, shape.head_dim, ex.dtype, ex.device)
+        ids = torch.tensor(prompt.token_ids, dtype=torch.long, device=ex.device)
+        everything = torch.arange(n, device=ex.device)
+        steps = Plan(everything, torch.zeros(n, dtype=torch.bool), (), "kv")
+        timings = {"fetch": 0.0, "compute": 0.0, "assemble": 0.0}
+        kinds = {k.value: v for k, v in prompt.tokens_by_kind().items()}
+        stats = _Assembly(kv, 0, timings, kinds, {}, {})
+        return self._finish("full", prompt, ids, steps, stats, start, causal=True)
+
+    @torch.inference_mode()
+    def prefix(self, prompt: Prompt, settings: BlendSettings | None = None) -> BlendResult:
+        """Baseline: what a prefix cache does at best — reuse the exact-prefix blocks, prefill the rest."""
+        settings = settings or self.settings.with_(prefill_context="system", neutral_context=())
+        start = time.perf_counter()
+        exact = _exact_segments(prompt, settings, len(prompt.segments) - 1)
+        stats = self._assemble(prompt, settings, upto=exact)
+        ids = torch.tensor(prompt.token_ids, dtype=torch.long, device=self.executor.device)
+        rest = torch.arange(stats.exact_prefix, len(prompt), device=self.executor.device)
+        steps = Plan(rest, torch.zeros(len(prompt), dtype=torch.bool), (), "kv")
+        return self._finish("prefix", prompt, ids, steps, stats, start, causal=False)
+
+    @torch.inference_mode()
+    def blend(self, prompt: Prompt, settings: BlendSettings | None = None) -> BlendResult:
+        """Serve a prompt from cached blocks with the selector in ``settings`` (default: the engine's)."""
+        settings = settings or self.settings
+        settings.validate(self.executor.shape.num_layers)
+        start = time.perf_counter()
+        stats = self._assemble(prompt, settings, upto=None)
+        layout = self.layout(prompt, stats.exact_prefix, settings)
+        steps = plan(layout, settings)
+        device = self.executor.device
+        steps = Plan(steps.initial.to(device), steps.pinned.to(device), steps.checks, steps.deviation_on,
+                     steps.deviation_weight)
+        ids = torch.tensor(prompt.token_ids, dtype=torch.long, device=device)
+        return self._finish(settings.selector, prompt, ids, steps, stats, start, causal=False)
+
+    @staticmethod
+    def layout(prompt: Prompt, exact_prefix: int, settings: BlendSettings) -> Layout:
+        """The selectors' view of a prompt: the suffix (and FREE segments if configured) are forced."""
+        last = len(prompt.segments) - 1
+        forced = [last]
+        if settings.recompute_free:
+            forced += [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.FREE and i != last]
+        bounds = [(span.start, span.end) for span in prompt.spans]
+        return Layout.build(bounds, exact_prefix, forced)
+
+    def _finish(
+        self, method: str, prompt: Prompt, ids: torch.Tensor, steps: Plan, stats: _Assembly,
+        start: float, causal: bool,
+    ) -> BlendResult:
+        t0 = time.perf_counter()
+        hidden, token_layers, selected = self._run(stats.kv, ids, steps, causal=causal, need_hidden=True)
+        self._sync()
+        t1 = time.perf_counter()
+        assert hidden is not None
+        logits = self.executor.logits(hidden[:, -1:])[0]
+        logits = logits.cpu()
+        t2 = time.perf_counter()
+        timings = dict(stats.timings, layers=t1 - t0, head=t2 - t1)
+        return BlendResult(
+            method=method, logits=logits, ttft_s=t2 - start, timings=timings, num_tokens=len(prompt),
+            exact_prefix_tokens=stats.exact_prefix, recomputed_tokens=int(selected.numel()),
+            token_layers=token_layers, num_layers=self.executor.shape.num_layers,
+            query_tokens=stats.query_tokens, hit_tokens=stats.hit_tokens, computed_tokens=stats.computed_tokens,
+            selected=selected.cpu(), kv=stats.kv,
+        )
+
+    def _run(
+        self, kv: KVBuffer, ids: torch.Tensor, steps: Plan, causal: bool, need_hidden: bool,
+        positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, int, torch.Tensor]:
+        """The layer loop: run ``steps.initial`` from layer 0, narrowing at each check layer.
+
+        By default row ``p`` of ``kv`` is position ``p``. ``causal=True`` is only for a running set equal
+        to all rows ``0..N-1`` (full prefill); otherwise a boolean ``[n, N]`` mask lets each running
+        query see every position up to its own. Batched segment prefill passes its own RoPE
+        ``positions`` for the running rows and its own ``mask`` (no check layers then).
+        """
+        ex = self.executor
+        n_rows = kv.length
+        running = steps.initial
+        if (positions is not None or mask is not None) and steps.checks:
+            raise ValueError("explicit positions/mask cannot be combined with check layers")
+        hidden = ex.embed(ids[running])
+        cos, sin = ex.rope(running if positions is None else positions)
+        checks = {step.layer: step for step in steps.checks}
+        all_rows = torch.arange(n_rows, device=running.device)
+        if mask is None and not causal:
+            mask = all_rows[None, :] <= running[:, None]
+        token_layers = 0
+        last_layer = ex.shape.num_layers - 1
+        for layer in range(ex.shape.num_layers):
+            q, k, v = ex.project(layer, hidden, (cos, sin))
+            token_layers += int(running.numel())
+            step = checks.get(layer)
+            if step is not None:
+                cached_k, cached_v = kv.rows(layer, running)
+                scores = deviation_scores(k[0], cached_k, v[0], cached_v, steps.deviation_on)
+                kv.write(layer, running, k, v)
+                if steps.deviation_weight == "attention":
+                    scores = scores * self._suffix_attention(layer, kv, q, running, steps.pinned)
+                keep = select_top(scores, step.keep, steps.pinned[running])
+                running = running[keep]
+                hidden, q = hidden[:, keep], q[:, :, keep]
+                cos, sin = cos[:, :, keep], sin[:, :, keep]
+                mask = all_rows[None, :] <= running[:, None]
+                causal = False
+            else:
+                kv.write(layer, running, k, v)
+            if layer == last_layer and not need_hidden:
+                break
+            keys, values = kv.layer(layer)
+            hidden = ex.finish(layer, hidden, q, keys, values, mask, causal=causal)
+        return (hidden if need_hidden else None), token_layers, running
+
+    def _suffix_attention(
+        self, layer: int, kv: KVBuffer, q: torch.Tensor, running: torch.Tensor, pinned: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention the pinned (suffix) queries among ``running`` pay each running token at ``layer``."""
+        asking = torch.nonzero(pinned[running]).reshape(-1)
+        if asking.numel() == 0:
+            return torch.ones(running.numel(), device=running.device)
+        keys, _ = kv.layer(layer)
+        received = attention_received(q[0][:, asking], keys[0], running[asking], self.executor.scaling)
+        return received[running]
+
+    # ----------------------------------------------------------------- decoding
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        result: BlendResult,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop_token_ids: Iterable[int] = (),
+        keep_logits: bool = False,
+    ) -> Generation:
+        """Continue from a prefill: the first token comes from ``result.logits``, the rest are decoded on
+        ``result.kv`` (rows after the prompt are overwritten, so a result can be decoded again)."""
+        sampling = sampling or Sampling()
+        stops = set(stop_token_ids)
+        ex = self.executor
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        kv = result.kv
+        kv.reserve(result.num_tokens + max_new_tokens)
+        logits = result.logits
+        tokens: list[int] = []
+        kept: list[torch.Tensor] = []
+        position = result.num_tokens
+        for step in range(max_new_tokens):
+            if keep_logits:
+                kept.append(logits)
+            token = _pick(logits, sampling, generator)
+            tokens.append(token)
+            if token in stops:
+                return Generation(tokens, kept, True)
+            if step == max_new_tokens - 1:
+                break
+            at = torch.tensor([position], device=ex.device)
+            hidden = ex.embed(torch.tensor([token], device=ex.device))
+            rope = ex.rope(at)
+            for layer in range(ex.shape.num_layers):
+                q, k, v = ex.project(layer, hidden, rope)
+                kv.write(layer, at, k, v)
+                keys, values = kv.layer(layer, upto=position + 1)
+                hidden = ex.finish(layer, hidden, q, keys, values, None)
+            logits = ex.logits(hidden)[0].cpu()
+            position += 1
+        return Generation(tokens, kept, False)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int,
+        settings: BlendSettings | None = None,
+        sampling: Sampling | None = None,
+        stop_token_ids: Iterable[int] = (),
+    ) -> tuple[BlendResult, Generation]:
+        """Blend then decode: what the embedded engine serves for one request."""
+        result = self.blend(prompt, settings)
+        return result, self.decode(result, max_new_tokens, sampling, stop_token_ids)
+
+    def _sync(self) -> None:
+        if self.executor.device.type == "cuda":
+            torch.cuda.synchronize(self.executor.device)
+
+
+def _neutral_segment(settings: BlendSettings) -> Segment | None:
+    if settings.prefill_context != "neutral":
+        return None
+    return Segment(SegmentKind.FREE, settings.neutral_context)
+
+
+def _system_context(prompt: Prompt, mode: str) -> Segment | None:
+    """The segment other blocks are prefilled behind: the leading SYSTEM segment (``system``/``neutral``)."""
+    if mode in ("system", "neutral") and len(prompt.segments) > 1 and prompt.segments[0].kind is SegmentKind.SYSTEM:
+        return prompt.segments[0]
+    return None
+
+
+def _behind_system_only(prompt: Prompt, index: int, settings: BlendSettings) -> bool:
+    """Whether segment ``index`` is prefilled behind the system segment alone (so exact at index 1).
+
+    In ``system`` mode every segment is. In ``neutral`` mode only a HISTORY segment right after the
+    system segment is (it is an exact prefix there); everything else goes behind system + neutral
+    text — decided by kind, so warming ``[system, item]`` stores the key a request will look up.
+    """
+    if settings.prefill_context == "system":
+        return True
+    return index == 1 and prompt.segments[index].kind is SegmentKind.HISTORY
+
+
+def _exact_segments(prompt: Prompt, settings: BlendSettings, cached: int) -> int:
+    """How many leading segments (of the ``cached`` fetched ones) have exactly full-prefill KV.
+
+    The first is computed at offset 0 with nothing before it, like in the prompt. Behind a system
+    context, the segment right after it also saw exactly what precedes it in the prompt.
+    """
+    exact = min(1, cached)
+    if (exact and cached >= 2 and _system_context(prompt, settings.prefill_context) is not None
+            and _behind_system_only(prompt, 1, settings)):
+        exact = 2
+    return exact
+
+
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    if sampling.temperature <= 0:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / sampling.temperature
+    if sampling.top_k:
+        top = torch.topk(scaled, min(sampling.top_k, scaled.numel()))
+        choice = torch.multinomial(torch.softmax(top.values, -1), 1, generator=generator)
+        return int(top.indices[choice])
+    return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator))

@@ -1,0 +1,227 @@
+"""Which token positions are recomputed: the selectors of DESIGN §4, as pure functions.
+
+Everything here works on integers and tensors only — no model, no store — so each contract (the
+suffix is always selected, counts follow the ratio, gradual filtering narrows) is tested on its own.
+
+Vocabulary:
+
+* **exact prefix** — tokens ``[0, P)`` whose cached KV *is* what a full prefill computes (the first
+  segment at offset 0, and in ``system`` prefill mode the segment right after it). They are never
+  recomputed: a prefix cache would not recompute them either.
+* **forced** — tokens always recomputed: the uncached suffix (and FREE segments if configured).
+* **candidates** — every other token; ratios are shares of the candidates.
+* **pinned** — tokens a check layer may not drop (forced, plus boundary tokens for ``hybrid``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvshard_sidecar.engine.settings import BlendSettings, DeviationOn, DeviationWeight
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Token roles of one prompt.
+
+    Attributes:
+        segment_bounds: ``(start, end)`` of every segment, in order.
+        exact_prefix: number of leading tokens with exact cached KV.
+        forced: bool ``[N]``: tokens always recomputed (at or after the exact prefix).
+    """
+
+    segment_bounds: tuple[tuple[int, int], ...]
+    exact_prefix: int
+    forced: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, segment_bounds: Sequence[tuple[int, int]], exact_prefix: int, forced_segments: Sequence[int]
+    ) -> Layout:
+        """A layout whose forced tokens are the whole segments with the given indices."""
+        bounds = tuple((int(s), int(e)) for s, e in segment_bounds)
+        total = bounds[-1][1] if bounds else 0
+        forced = torch.zeros(total, dtype=torch.bool)
+        for index in forced_segments:
+            start, end = bounds[index]
+            forced[max(start, exact_prefix):end] = True
+        return cls(bounds, exact_prefix, forced)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.forced.shape[0])
+
+    def blendable(self) -> torch.Tensor:
+        """Positions at or after the exact prefix (forced or candidate), sorted."""
+        return torch.arange(self.exact_prefix, self.num_tokens)
+
+    def forced_positions(self) -> torch.Tensor:
+        return torch.nonzero(self.forced).reshape(-1)
+
+    def candidates(self) -> torch.Tensor:
+        mask = ~self.forced
+        mask[: self.exact_prefix] = False
+        return torch.nonzero(mask).reshape(-1)
+
+    @property
+    def num_candidates(self) -> int:
+        return int(self.candidates().numel())
+
+
+def keep_count(ratio: float, candidates: int) -> int:
+    """How many candidates a ratio keeps: ``ceil(ratio · candidates)``, within ``[0, candidates]``."""
+    return max(0, min(candidates, math.ceil(ratio * candidates - 1e-9)))
+
+
+def union(*positions: torch.Tensor) -> torch.Tensor:
+    """Sorted unique union of position tensors."""
+    joined = torch.cat([p.reshape(-1).to(torch.long) for p in positions]) if positions else torch.empty(0)
+    unique: torch.Tensor = torch.unique(joined, sorted=True)
+    return unique
+
+
+def select_none(layout: Layout) -> torch.Tensor:
+    """``none`` (PromptCache-style full reuse): only the forced tokens."""
+    return layout.forced_positions()
+
+
+def boundary_positions(layout: Layout, w: int) -> torch.Tensor:
+    """The first ``w`` candidate tokens of every segment after the exact prefix (RcLLM's correction)."""
+    picked = []
+    for start, end in layout.segment_bounds:
+        lo = max(start, layout.exact_prefix)
+        if lo >= end or lo != start:
+            continue
+        span = torch.arange(start, min(end, start + w))
+        picked.append(span[~layout.forced[span]])
+    return union(*picked) if picked else torch.empty(0, dtype=torch.long)
+
+
+def boundary_order(layout: Layout) -> torch.Tensor:
+    """Candidates ordered by their offset inside their segment (then by position).
+
+    Taking a prefix of this order of length ``k`` picks the first token of every blended segment, then
+    the second of each, and so on: the boundary correction for a budget of ``k`` tokens, exactly.
+    """
+    candidates = layout.candidates()
+    starts = torch.tensor([start for start, _ in layout.segment_bounds], dtype=torch.long)
+    owner = torch.searchsorted(starts, candidates, right=True) - 1
+    offset = candidates - starts[owner]
+    order = torch.argsort(offset * (layout.num_tokens + 1) + candidates)
+    return candidates[order]
+
+
+def boundary_budget(layout: Layout, budget: int, w: int | None = None) -> torch.Tensor:
+    """The first ``budget`` tokens of :func:`boundary_order` (only offsets ``< w`` if ``w`` is given)."""
+    order = boundary_order(layout)
+    if w is not None:
+        starts = torch.tensor([start for start, _ in layout.segment_bounds], dtype=torch.long)
+        owner = torch.searchsorted(starts, order, right=True) - 1
+        order = order[(order - starts[owner]) < w]
+    return union(order[: max(0, budget)])
+
+
+def select_boundary(layout: Layout, w: int) -> torch.Tensor:
+    """``boundary``: forced tokens plus the first ``w`` tokens of each blended segment."""
+    return union(layout.forced_positions(), boundary_positions(layout, w))
+
+
+def deviation_scores(
+    fresh_k: torch.Tensor,
+    cached_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+    cached_v: torch.Tensor,
+    on: DeviationOn,
+) -> torch.Tensor:
+    """Per-token L2 deviation ‖fresh − cached‖ over ``[kv_heads, tokens, d]`` tensors → float32 ``[tokens]``.
+
+    ``kv`` adds the K and V deviations, each divided by its mean so neither dominates by scale.
+    """
+
+    def norms(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        diff = fresh.float() - cached.float()
+        return diff.pow(2).sum(dim=(0, 2)).sqrt()
+
+    if on == "k":
+        return norms(fresh_k, cached_k)
+    if on == "v":
+        return norms(fresh_v, cached_v)
+    dk, dv = norms(fresh_k, cached_k), norms(fresh_v, cached_v)
+    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
+
+
+def attention_received(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Mean attention probability each key position receives from ``queries``: float32 ``[N]``.
+
+    ``queries`` ``[heads, s, d]`` at ``query_positions``; ``keys`` ``[kv_heads, N, d]`` at positions
+    ``0..N-1`` (grouped-query heads are shared); causal by position.
+    """
+    groups = queries.shape[0] // keys.shape[0]
+    expanded = keys.float().repeat_interleave(groups, dim=0)
+    logits = queries.float() @ expanded.transpose(1, 2) * scale
+    visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= query_positions[:, None]
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    return probs.mean(dim=(0, 1))
+
+
+def select_top(scores: torch.Tensor, keep: int, pinned: torch.Tensor) -> torch.Tensor:
+    """Indices (into ``scores``) of every pinned entry plus the ``keep`` highest-scoring others, sorted."""
+    free = torch.nonzero(~pinned).reshape(-1)
+    keep = max(0, min(keep, int(free.numel())))
+    top = free[torch.topk(scores[free], keep).indices] if keep else free[:0]
+    return union(torch.nonzero(pinned).reshape(-1), top)
+
+
+@dataclass(frozen=True)
+class CheckStep:
+    """At ``layer``, keep the pinned tokens plus ``keep`` others with the largest deviation."""
+
+    layer: int
+    keep: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the layer loop runs: ``initial`` positions from layer 0, narrowed at each check step."""
+
+    initial: torch.Tensor
+    pinned: torch.Tensor  # bool [N]
+    checks: tuple[CheckStep, ...]
+    deviation_on: DeviationOn
+    deviation_weight: DeviationWeight = "none"
+
+    def final_count(self) -> int:
+        if not self.checks:
+            return int(self.initial.numel())
+        return int(self.pinned[self.initial].sum()) + self.checks[-1].keep
+
+
+def plan(layout: Layout, settings: BlendSettings) -> Plan:
+    """Turn a selector's settings into a :class:`Plan` for ``layout``."""
+    forced_only = layout.forced.clone()
+    m = layout.num_candidates
+    if settings.selector == "none":
+        return Plan(select_none(layout), forced_only, (), settings.deviation_on)
+    if settings.selector == "boundary":
+        if settings.boundary_w is not None:
+            return Plan(select_boundary(layout, settings.boundary_w), forced_only, (), settings.deviation_on)
+        edges = boundary_budget(layout, keep_count(settings.ratio, m))
+        return Plan(union(layout.forced_positions(), edges), forced_only, (), settings.deviation_on)
+    pinned = forced_only
+    reserved = 0
+    if settings.selector == "hybrid":
+        w = settings.boundary_w if settings.boundary_w is not None else 1
+        edges = boundary_budget(layout, keep_count(settings.ratio, m), w)
+        pinned = forced_only.clone()
+        pinned[edges] = True
+        reserved = int(edges.numel())
+    steps = tuple(
+        CheckStep(layer, max(0, keep_count(ratio, m) - reserved))
+        for layer, ratio in zip(settings.check_layers, settings.ratios, strict=True)
+    )
+    return Plan(layout.blendable(), pinned, steps, settings.deviation_on, settings.deviation_weight)

@@ -1,0 +1,135 @@
+"""One typed settings object for the blend engine, so a request, a benchmark row and a test all say
+exactly which blend they ran.
+
+Every knob the DESIGN (§4) names lives here: the selector, its ratio, the check layers with their
+gradual-filtering schedule, the boundary width, what deviation is measured on, how segment blocks
+are prefilled, and where the engine runs. ``validate`` catches contradictory settings early, with a
+message that names the field, instead of failing deep inside a layer loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+SelectorName = Literal["none", "boundary", "deviation", "hybrid"]
+DeviationOn = Literal["k", "v", "kv"]
+DeviationWeight = Literal["none", "attention"]
+PrefillContext = Literal["standalone", "system", "neutral"]
+
+SELECTORS: tuple[SelectorName, ...] = ("none", "boundary", "deviation", "hybrid")
+
+
+class SettingsError(ValueError):
+    """A :class:`BlendSettings` field is out of range or contradicts another field."""
+
+
+@dataclass(frozen=True)
+class BlendSettings:
+    """How one request is blended.
+
+    Attributes:
+        selector: which tokens are recomputed after the check layers: ``none`` (only the suffix),
+            ``boundary`` (first ``boundary_w`` tokens of every blended segment), ``deviation``
+            (top tokens by KV deviation at the check layers) or ``hybrid`` (boundary ∪ deviation).
+        ratio: the final recompute ratio r: the share of *blendable* tokens (those whose cached KV
+            is not already exact, i.e. not part of the exact prefix, and not forced) recomputed
+            after the last check layer. ``1.0`` reproduces a full prefill.
+        check_layers: layers at which deviation is scored (``deviation``/``hybrid``); every layer up
+            to the last check layer runs for the whole candidate set.
+        schedule: the ratio kept at each check layer (gradual filtering); must narrow and end at
+            ``ratio``. Empty means "``ratio`` at every check layer".
+        boundary_w: tokens at the start of each blended segment that ``boundary``/``hybrid`` recompute.
+            ``None`` for ``boundary`` means "spend the ratio's budget on segment starts": the first
+            token of every segment, then the second, ... until ``ratio`` is used up. ``hybrid`` pins
+            the first ``boundary_w`` (default 1) tokens of each segment, within the ratio's budget,
+            and fills the rest of the budget by deviation.
+        deviation_on: score deviation on keys (``k``), values (``v``) or both, each normalised by its
+            mean (``kv``).
+        deviation_weight: ``attention`` multiplies each token's deviation by the attention the forced
+            (suffix) queries pay it at the check layer — an estimate of how much its error reaches the
+            answer; ``none`` ranks by deviation alone (CacheBlend).
+        recompute_free: always recompute FREE segments (tiny labels and headers) like the suffix.
+        prefill_context: how segment blocks are prefilled: ``standalone`` (each at position 0, as in
+            CacheBlend), ``system`` (behind the prompt's system segment, which is then an exact
+            prefix, and so is the first segment after it) or ``neutral`` (like ``system`` for the
+            first segment after it; every later segment behind the system segment followed by the
+            ``neutral_context`` tokens, a short fixed text shaped like what precedes it in prompts).
+        neutral_context: token ids of that text (``neutral`` mode only).
+        device: torch device of the model.
+        dtype: ``float32`` on CPU; ``bfloat16``/``float16`` on CUDA.
+        threads: torch intra-op threads; ``None`` leaves torch's default.
+    """
+
+    selector: SelectorName = "boundary"  # best measured kl at r = 0.15 with system-prefixed blocks
+    ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    schedule: tuple[float, ...] = ()
+    boundary_w: int | None = None
+    deviation_on: DeviationOn = "kv"
+    deviation_weight: DeviationWeight = "none"
+    recompute_free: bool = False
+    prefill_context: PrefillContext = "system"
+    neutral_context: tuple[int, ...] = ()
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = field(default=None, compare=False)
+
+    def with_(self, **changes: object) -> BlendSettings:
+        """A copy with ``changes`` applied and validated."""
+        updated = replace(self, **changes)  # type: ignore[arg-type]
+        updated.validate()
+        return updated
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        """The ratio kept at each check layer (the schedule, or ``ratio`` everywhere)."""
+        return self.schedule or tuple(self.ratio for _ in self.check_layers)
+
+    @property
+    def uses_deviation(self) -> bool:
+        return self.selector in ("deviation", "hybrid")
+
+    def validate(self, num_layers: int | None = None) -> None:
+        """Raise :class:`SettingsError` on settings that cannot run."""
+        if self.selector not in SELECTORS:
+            raise SettingsError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise SettingsError(f"ratio must be in [0, 1], got {self.ratio}")
+        if self.deviation_on not in ("k", "v", "kv"):
+            raise SettingsError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
+        if self.deviation_weight not in ("none", "attention"):
+            raise SettingsError(f"deviation_weight must be 'none' or 'attention', got {self.deviation_weight!r}")
+        if self.prefill_context not in ("standalone", "system", "neutral"):
+            raise SettingsError(
+                f"prefill_context must be 'standalone', 'system' or 'neutral', got {self.prefill_context!r}"
+            )
+        if (self.prefill_context == "neutral") != bool(self.neutral_context):
+            raise SettingsError("neutral_context (token ids) is required by, and only used in, 'neutral' mode")
+        if self.boundary_w is not None and self.boundary_w < 0:
+            raise SettingsError(f"boundary_w must be >= 0, got {self.boundary_w}")
+        layers = self.check_layers
+        if self.uses_deviation and not layers:
+            raise SettingsError(f"selector {self.selector!r} needs at least one check layer")
+        if any(b <= a for a, b in zip(layers, layers[1:], strict=False)):
+            raise SettingsError(f"check_layers must be strictly increasing, got {layers}")
+        if layers and layers[0] < 1:
+            raise SettingsError(
+                "check layers start at 1: layer 0's K/V depend only on the token and its position, "
+                "so cached and fresh agree there and deviation says nothing"
+            )
+        if num_layers is not None and layers and layers[-1] >= num_layers:
+            raise SettingsError(f"check layer {layers[-1]} is beyond the model's {num_layers} layers")
+        if self.schedule:
+            if len(self.schedule) != len(layers):
+                raise SettingsError(
+                    f"schedule has {len(self.schedule)} ratios for {len(layers)} check layers"
+                )
+            if any(b > a for a, b in zip(self.schedule, self.schedule[1:], strict=False)):
+                raise SettingsError(f"schedule must narrow (non-increasing), got {self.schedule}")
+            if abs(self.schedule[-1] - self.ratio) > 1e-9:
+                raise SettingsError(
+                    f"schedule must end at ratio {self.ratio}, got {self.schedule[-1]}"
+                )
+        if self.threads is not None and self.threads < 1:
+            raise SettingsError(f"threads must be >= 1, got {self.threads}")

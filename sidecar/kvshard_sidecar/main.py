@@ -1,0 +1,29 @@
+"""``kvshard sidecar serve``: run the sidecar API until SIGTERM/Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from aiohttp import web
+
+from kvshard.settings import describe
+from kvshard_sidecar import settings as sidecar_settings
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sidecar_settings.add_arguments(parser)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from kvshard_sidecar.app import build_app
+    from kvshard_sidecar.service import SidecarService
+
+    settings = sidecar_settings.from_args(args)
+    log.info("sidecar settings: %s", describe(settings))
+    app = build_app(SidecarService(settings))
+    web.run_app(app, host=settings.host, port=settings.port, print=lambda line: log.info("%s", line),
+                access_log=None, shutdown_timeout=5)
+    return 0

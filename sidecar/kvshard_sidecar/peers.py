@@ -1,0 +1,84 @@
+"""The peer tier: on a local miss, ask the sidecars that hold a block before computing it.
+
+Runs in the engine's worker thread (the store calls it synchronously on a miss), so it uses a plain
+blocking HTTP client with a short timeout. Every payload is decoded with the checksummed codec: a
+damaged reply raises :class:`CorruptBlockError`, which the store counts as corrupt and never serves.
+Who holds what comes from a callable — a static peer list now, placement in etcd later.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import urllib.parse
+from collections.abc import Callable, Sequence
+
+from kvshard_sidecar.blockstore import CorruptBlockError, KVBlock, decode_block
+
+log = logging.getLogger(__name__)
+
+TOKEN_HEADER = "Authorization"
+HoldersOf = Callable[[str], Sequence[str]]
+
+
+def bearer(token: str) -> str:
+    return f"Bearer {token}"
+
+
+class PeerFetcher:
+    """A :data:`~kvshard_sidecar.blockstore.BlockFetcher` over HTTP ``GET /v1/blocks/{key}``."""
+
+    def __init__(self, holders: HoldersOf, token: str, timeout_seconds: float = 2.0) -> None:
+        self._holders = holders
+        self._token = token
+        self._timeout = timeout_seconds
+
+    def __call__(self, key: str) -> KVBlock | None:
+        corrupt_from: list[str] = []
+        for base_url in self._holders(key):
+            try:
+                data = self._get(base_url, key)
+            except (OSError, http.client.HTTPException) as error:
+                log.warning("peer %s unreachable for block %s: %s", base_url, key[:12], error)
+                continue
+            if data is None:
+                continue
+            try:
+                return decode_block(key, data, copy=False)  # ``data`` is a fresh buffer we own
+            except CorruptBlockError as error:
+                log.warning("peer %s sent a corrupt block %s: %s", base_url, key[:12], error)
+                corrupt_from.append(base_url)
+        if corrupt_from:
+            raise CorruptBlockError(f"block {key[:12]} was corrupt from {', '.join(corrupt_from)}")
+        return None
+
+    def _get(self, base_url: str, key: str) -> bytearray | None:
+        url = urllib.parse.urlsplit(base_url)
+        connection_class = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        connection = connection_class(url.netloc, timeout=self._timeout)
+        try:
+            connection.request("GET", f"{url.path.rstrip('/')}/v1/blocks/{key}",
+                               headers={TOKEN_HEADER: bearer(self._token)})
+            response = connection.getresponse()
+            if response.status != 200:
+                detail = response.read(200)
+                if response.status == 404:
+                    return None
+                raise http.client.HTTPException(f"HTTP {response.status}: {detail!r}")
+            length = int(response.getheader("Content-Length") or 0)
+            body = bytearray(length)  # read straight into one buffer: no intermediate copies
+            view, got = memoryview(body), 0
+            while got < length:
+                count = response.readinto(view[got:])
+                if not count:
+                    break
+                got += count
+            return body[:got] if got < length else body
+        finally:
+            connection.close()
+
+
+def static_holders(peers: Sequence[str]) -> HoldersOf:
+    """Every listed peer may hold every block (until placement says who holds what)."""
+    frozen = tuple(p.rstrip("/") for p in peers)
+    return lambda key: frozen

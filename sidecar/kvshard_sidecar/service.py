@@ -1,0 +1,249 @@
+"""What one sidecar does, without HTTP: load the model, blend and decode requests, warm blocks.
+
+The HTTP layer (``app.py``) validates and admits; this module owns the model, the block store and
+the blend engine, and is called from one worker thread at a time, so the engine needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+from kvshard.datasets import Dataset, Item, load_dataset
+from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
+from kvshard.segments import Prompt
+from kvshard_sidecar.blockstore import BlockStore, encode_block
+from kvshard_sidecar.engine.settings import BlendSettings
+from kvshard_sidecar.exchange import KVExchange
+from kvshard_sidecar.metrics import SidecarMetrics
+from kvshard_sidecar.peers import PeerFetcher, static_holders
+from kvshard_sidecar.settings import SidecarSettings
+from kvshard_sidecar.validation import Limits, RecommendCall, RequestError
+from kvshard_sidecar.vllm_client import VllmClient
+
+log = logging.getLogger(__name__)
+
+
+class SidecarService:
+    """The model, store and engine of one pod; ``load`` runs once, in the worker thread."""
+
+    def __init__(self, settings: SidecarSettings) -> None:
+        self.settings = settings
+        self.limits = Limits(settings.max_candidates, settings.max_history, settings.max_new_tokens)
+        self.peer_token = settings.token()
+        fetcher = None
+        if settings.peers and self.peer_token:
+            fetcher = PeerFetcher(static_holders(settings.peers), self.peer_token, settings.peer_timeout_seconds)
+        self.store = BlockStore(settings.memory_bytes, settings.disk_root, settings.disk_bytes, fetcher)
+        self.model_name = (settings.model.name if settings.model else "SmolLM2-135M-Instruct")
+        self.metrics = SidecarMetrics(self.model_name, self.store.stats)
+        self.prefill_queue = PrefillQueue(self)
+        self.ready = False
+        self.load_error = ""
+        self.items: Mapping[str, Item] = {}
+        self.users: Mapping[str, list[str]] = {}
+        self.blend_defaults = BlendSettings(selector=settings.selector,  # type: ignore[arg-type]
+                                            ratio=settings.ratio, device=settings.device, dtype=settings.dtype)
+        self._dataset: Dataset | None = None
+        self._builder: PromptBuilder | None = None
+        self._engine: Any = None
+        self._eos: set[int] = set()
+        self._vllm: VllmClient | None = None
+        self._exchange: KVExchange | None = None
+        if settings.engine == "vllm":
+            self._vllm = VllmClient(settings.vllm_url, settings.vllm_model or self.model_name)
+            self._exchange = KVExchange(settings.exchange_dir)
+
+    def load(self) -> None:
+        """Load catalog and model (seconds); the API answers 503 until this returns."""
+        from kvshard_sidecar.engine.blend import BlendEngine
+        from kvshard_sidecar.model import load_model
+
+        self._dataset = load_dataset(self.settings.dataset)
+        self.items, self.users = self._dataset.items, self._dataset.histories
+        loaded = load_model(self.settings.model, dtype=self.settings.dtype, device=self.settings.device)
+        self.model_name = loaded.identity.name
+        self.metrics.model_name = self.model_name
+        self._builder = PromptBuilder(loaded.tokenizer, self._dataset)
+        self._engine = BlendEngine(loaded.model, loaded.identity, self.store, self.blend_defaults)
+        eos = loaded.tokenizer.eos_token_id
+        self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        self.limits = Limits(min(self.settings.max_candidates, self._builder.max_candidates),
+                             self.settings.max_history, self.settings.max_new_tokens)
+        context = int(getattr(loaded.config, "max_position_embeddings", 2048))
+        self.context_tokens = min(context, self.settings.max_prompt_tokens or context)
+        self.tokenizer = loaded.tokenizer
+        self.metrics.ready.labels(self.model_name).set(1)
+        self.ready = True
+
+    @property
+    def builder(self) -> PromptBuilder:
+        assert self._builder is not None, "load() first"
+        return self._builder
+
+    def build(self, call: RecommendCall) -> RecommendationPrompt:
+        request = RecommendationRequest(call.user_id, call.history, call.candidates)
+        if call.instruction is None:
+            built = self.builder.build(request)
+        else:
+            built = PromptBuilder(self.tokenizer, self.builder.dataset,
+                                  question="\n" + call.instruction.strip()).build(request)
+        if len(built.prompt) + call.max_tokens > self.context_tokens:
+            raise RequestError("history", f"the prompt has {len(built.prompt)} tokens; with max_tokens it must "
+                               f"fit the {self.context_tokens} tokens this sidecar serves", status=413)
+        return built
+
+    def recommend(self, call: RecommendCall) -> dict[str, Any]:
+        """Blend, decode (here or in vLLM), and report what was cached where (worker thread)."""
+        started = time.perf_counter()
+        built = self.build(call)
+        if self.settings.engine == "vllm":
+            result, token_ids, text, top, ttft_s, extra = self._decode_in_vllm(built, call)
+        else:
+            result, token_ids, text, top, ttft_s, extra = self._decode_embedded(built, call)
+        label = self.tokenizer.decode(token_ids[:1]).strip()
+        self._record(result, ttft_s)
+        return {
+            "text": text,
+            "label": label if label in built.labels else None,
+            "candidate": built.candidate_for_label(label),
+            "engine": self.settings.engine,
+            "model": self.model_name,
+            "pod": self.settings.name,
+            "blend": {"selector": call.blend.selector, "ratio": call.blend.ratio},
+            "logprobs": [{"token_id": t, "token": self.tokenizer.decode([t]), "logprob": round(v, 6)}
+                         for t, v in top.items()],
+            "timings": {"ttft_ms": round(ttft_s * 1000, 3),
+                        "total_ms": round((time.perf_counter() - started) * 1000, 3),
+                        "blend_ms": round(result.ttft_s * 1000, 3), **extra,
+                        **{f"{k}_ms": round(v * 1000, 3) for k, v in result.timings.items()}},
+            "tokens": {"prompt": result.num_tokens, "recomputed": result.recomputed_tokens,
+                       "recompute_ratio": round(result.recompute_ratio, 4), "query": result.query_tokens,
+                       "hit": result.hit_tokens, "computed": result.computed_tokens},
+        }
+
+    def _decode_embedded(self, built: RecommendationPrompt, call: RecommendCall
+                         ) -> tuple[Any, list[int], str, dict[int, float], float, dict[str, float]]:
+        from kvshard_sidecar.engine.blend import Sampling
+
+        result, generation = self._engine.generate(
+            built.prompt, call.max_tokens, call.blend, Sampling(temperature=call.temperature),
+            stop_token_ids=self._eos)
+        text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+        return result, generation.token_ids, text, top_logprobs(result.logits, call.logprobs), result.ttft_s, {}
+
+    def _decode_in_vllm(self, built: RecommendationPrompt, call: RecommendCall
+                        ) -> tuple[Any, list[int], str, dict[int, float], float, dict[str, float]]:
+        """Blend here, hand the prompt KV to vLLM through the exchange, let vLLM decode."""
+        assert self._vllm is not None and self._exchange is not None
+        result = self._engine.blend(built.prompt, call.blend)
+        tokens = built.prompt.token_ids
+        n = result.num_tokens
+        started = time.perf_counter()
+        self._exchange.write(tokens, result.kv.keys[:, :, :n], result.kv.values[:, :, :n])
+        exchange_s = time.perf_counter() - started
+        try:
+            completion = self._vllm.complete(tokens, call.max_tokens, call.temperature, call.logprobs)
+        finally:
+            self._exchange.remove(tokens)  # the connector removes it after loading; this covers failures
+        ranked = sorted(completion.top_logprobs.items(), key=lambda pair: -pair[1])
+        top = dict(ranked[: call.logprobs])
+        ttft_s = result.ttft_s + exchange_s + completion.first_token_s
+        extra = {"exchange_ms": round(exchange_s * 1000, 3),
+                 "vllm_first_token_ms": round(completion.first_token_s * 1000, 3)}
+        return result, completion.token_ids, completion.text, top, ttft_s, extra
+
+    def _record(self, result: Any, ttft_s: float) -> None:
+        metrics, name = self.metrics, self.model_name
+        metrics.ttft.labels(name).observe(ttft_s)
+        metrics.recompute_ratio.labels(name).observe(result.recompute_ratio)
+        for kind, count in result.query_tokens.items():
+            metrics.query_tokens.labels(name, kind).inc(count)
+        for kind, tiers in result.hit_tokens.items():
+            for tier, count in tiers.items():
+                metrics.hit_tokens.labels(name, kind, tier).inc(count)
+
+    def warm_prompt(self, unit: tuple[str, str]) -> int:
+        """Make sure the blocks of one item or one user's history are stored; returns tokens computed."""
+        kind, ident = unit
+        builder = self.builder
+        segments = [builder.system_segment]
+        if kind == "item":
+            segments.append(builder.item_segment(ident))
+        else:
+            segments.append(builder.history_segment(self.users[ident][-self.settings.max_history:]))
+        computed: dict[str, int] = self._engine.ensure_blocks(Prompt.of(segments))
+        return sum(computed.values())
+
+    def block_for_peer(self, key: str) -> Path | bytes | None:
+        """A stored block for a peer: the verified file (sent with sendfile), else encoded bytes.
+
+        A disk file is checked before it is offered, so a corrupt one is counted, removed and never
+        sent; a memory-only block is encoded (with its checksum) on the fly.
+        """
+        if self.store.disk is not None and self.store.disk.read_bytes(key) is not None:
+            return self.store.disk.path_for(key)
+        block = self.store.memory.get(key)
+        return encode_block(key, block) if block is not None else None
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def top_logprobs(logits: Any, count: int) -> dict[int, float]:
+    """The ``count`` most likely first tokens with their log-probabilities (most likely first)."""
+    if count <= 0:
+        return {}
+    import torch
+
+    values, indices = torch.topk(torch.log_softmax(logits.float(), dim=-1), count)
+    return {int(i): float(v) for i, v in zip(indices.tolist(), values.tolist(), strict=True)}
+
+
+class PrefillQueue:
+    """Warms blocks in the background, one unit at a time, taking turns with requests."""
+
+    def __init__(self, service: SidecarService) -> None:
+        self._service = service
+        self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    def submit(self, items: Iterable[str], users: Iterable[str]) -> int:
+        for item in items:
+            self._queue.put_nowait(("item", item))
+        for user in users:
+            self._queue.put_nowait(("user", user))
+        self._gauge()
+        return self._queue.qsize()
+
+    def _gauge(self) -> None:
+        self._service.metrics.prefill_pending.labels(self._service.model_name).set(self._queue.qsize())
+
+    def start(self, loop: asyncio.AbstractEventLoop, pool: Executor, compute: asyncio.Semaphore) -> None:
+        self._task = loop.create_task(self._run(pool, compute))
+
+    async def _run(self, pool: Executor, compute: asyncio.Semaphore) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            unit = await self._queue.get()
+            try:
+                async with compute:
+                    await loop.run_in_executor(pool, self._service.warm_prompt, unit)
+                self._service.metrics.prefill_done.labels(self._service.model_name).inc()
+            except Exception:
+                log.exception("prefill of %s %s failed", *unit)
+            finally:
+                self._gauge()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass

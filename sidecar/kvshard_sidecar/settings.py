@@ -1,0 +1,86 @@
+"""The sidecar's one settings object: flags, then ``KVSHARD_SIDECAR_*`` env, then defaults.
+
+Byte budgets are integers of bytes (as in the CacheShard spec); the peer token comes from a file
+(a mounted Kubernetes Secret) or the environment, never a flag, so it stays out of process lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from kvshard import settings as settings_lib
+from kvshard.paths import cache_dir
+from kvshard.settings import setting
+
+ENV_PREFIX = "KVSHARD_SIDECAR_"
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class SidecarSettings:
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a pod)")
+    port: int = setting(8100, "HTTP port of the sidecar API")
+    pod_name: str = setting("", "this pod's name (placement assigns clusters to pod names); default: host:port")
+    model: Path | None = setting(None, "Hugging Face model folder (default: the prepared SmolLM2)")
+    dtype: str = setting("float32", "model dtype", choices=("float32", "bfloat16", "float16"))
+    device: str = setting("cpu", "torch device (cpu, cuda, cuda:1, …)")
+    dataset: str = setting("movielens-100k", "item catalog: a built-in name, a folder or an items JSONL file")
+    memory_bytes: int = setting(2 * GiB, "memory tier budget in bytes")
+    disk_dir: Path | None = setting(None, "disk tier folder (default: <user cache>/blocks/<pod>)")
+    disk_bytes: int = setting(20 * GiB, "disk tier budget in bytes (0 disables the disk tier)")
+    peers: tuple[str, ...] = setting((), "peer sidecar base URLs asked on a local miss (comma-separated)")
+    peer_token_file: Path | None = setting(None, "file holding the shared peer token (a mounted Secret)")
+    peer_token: str = setting("", "the shared peer token itself (env only; prefer the file)", secret=True)
+    peer_timeout_seconds: float = setting(2.0, "timeout of one peer block fetch")
+    max_concurrency: int = setting(1, "requests computed at once (the model is one device)")
+    max_queue: int = setting(8, "requests allowed to wait; beyond that the sidecar answers 429")
+    max_candidates: int = setting(80, "most candidates one request may carry")
+    max_history: int = setting(200, "most history items one request may carry")
+    max_new_tokens: int = setting(32, "largest max_tokens a request may ask for")
+    max_prompt_tokens: int = setting(0, "longest prompt (plus max_tokens) served; 0 = the model's context length")
+    selector: str = setting("boundary", "default blend selector (boundary measured best with SmolLM2)",
+                            choices=("none", "boundary", "deviation", "hybrid"))
+    ratio: float = setting(0.15, "default recompute ratio r")
+    engine: Literal["embedded", "vllm"] = setting("embedded", "who decodes: the blend engine or vLLM")
+    vllm_url: str = setting("", "vLLM's base URL when --engine vllm (e.g. http://127.0.0.1:8000)")
+    vllm_model: str = setting("", "the model name vLLM serves (--served-model-name); default: the model's name")
+    exchange_dir: Path = setting(Path("/dev/shm/kvshard-exchange"), "KV exchange folder shared with vLLM")
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "disk_bytes", "max_queue", "max_prompt_tokens"):
+            if getattr(self, name) < 0:
+                raise settings_lib.SettingsError(f"{name} must be >= 0")
+        for name in ("max_concurrency", "max_candidates", "max_new_tokens", "port"):
+            if getattr(self, name) < 1:
+                raise settings_lib.SettingsError(f"{name} must be >= 1")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise settings_lib.SettingsError("ratio must be in [0, 1]")
+        if self.engine == "vllm" and not self.vllm_url:
+            raise settings_lib.SettingsError("--engine vllm needs --vllm-url")
+
+    @property
+    def name(self) -> str:
+        return self.pod_name or f"{self.host}:{self.port}"
+
+    @property
+    def disk_root(self) -> Path | None:
+        if self.disk_bytes == 0:
+            return None
+        return self.disk_dir or cache_dir() / "blocks" / self.name.replace(":", "-").replace("/", "-")
+
+    def token(self) -> str:
+        """The shared peer token ('' disables peer serving and fetching)."""
+        if self.peer_token_file is not None:
+            return self.peer_token_file.read_text().strip()
+        return self.peer_token
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    settings_lib.add_arguments(parser, SidecarSettings, ENV_PREFIX)
+
+
+def from_args(args: argparse.Namespace | None) -> SidecarSettings:
+    return settings_lib.from_sources(SidecarSettings, args, ENV_PREFIX)

@@ -1,0 +1,201 @@
+"""Request validation for the sidecar API: pure functions, one error per request, naming the field.
+
+Everything a client can get wrong is caught here, before any tensor is touched, so a malformed
+request costs microseconds and can never take the model thread down. Errors carry the HTTP status
+and the JSON path of the offending field (``candidates[3]``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvshard_sidecar.engine.settings import SELECTORS, BlendSettings, SettingsError
+
+MAX_ID_LENGTH = 256
+MAX_INSTRUCTION_LENGTH = 2000
+BLEND_FIELDS = {"selector", "ratio", "check_layers", "schedule", "boundary_w", "deviation_on", "recompute_free"}
+RECOMMEND_FIELDS = {"user_id", "history", "candidates", "instruction", "max_tokens", "temperature", "blend", "logprobs"}
+MAX_LOGPROBS = 20
+
+
+class RequestError(ValueError):
+    """A client mistake: answered with ``status`` and a message that names ``field``."""
+
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.status = status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"field": self.field, "message": self.message}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (from the sidecar settings)."""
+
+    max_candidates: int = 80
+    max_history: int = 200
+    max_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class RecommendCall:
+    """A validated ``POST /v1/recommend``."""
+
+    user_id: str
+    history: tuple[str, ...]
+    candidates: tuple[str, ...]
+    instruction: str | None = None
+    max_tokens: int = 1
+    temperature: float = 0.0
+    blend: BlendSettings = field(default_factory=BlendSettings)
+    logprobs: int = 0  # how many top first-token logprobs to return
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """A validated ``POST /v1/blocks/prefill``: items and/or users to warm."""
+
+    items: tuple[str, ...]
+    users: tuple[str, ...]
+
+
+def _object(body: Any, allowed: set[str], where: str = "body") -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError(where, "must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        name = unknown[0] if unknown[0].isidentifier() else json.dumps(unknown[0])
+        raise RequestError(name if where == "body" else f"{where}.{name}",
+                           f"unknown field (allowed: {', '.join(sorted(allowed))})")
+    return body
+
+
+def _identifier(value: Any, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RequestError(where, f"must be a string or integer id, got {type(value).__name__}")
+    text = str(value)
+    if not text or len(text) > MAX_ID_LENGTH:
+        raise RequestError(where, f"must be 1–{MAX_ID_LENGTH} characters")
+    return text
+
+
+def _item_ids(value: Any, where: str, known: Mapping[str, object], limit: int, *, allow_empty: bool,
+              unique: bool) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise RequestError(where, f"must be a list of item ids, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise RequestError(where, "must not be empty")
+    if len(value) > limit:
+        raise RequestError(where, f"has {len(value)} entries; at most {limit} are allowed")
+    ids = tuple(_identifier(v, f"{where}[{i}]") for i, v in enumerate(value))
+    for i, item in enumerate(ids):
+        if item not in known:
+            raise RequestError(f"{where}[{i}]", f"unknown item id {item!r}", status=422)
+    if unique and len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        for i, item in enumerate(ids):
+            if item in seen:
+                raise RequestError(f"{where}[{i}]", f"duplicate item id {item!r}")
+            seen.add(item)
+    return ids
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float,
+            integer: bool = False, where: str = "") -> float:
+    value = body.get(name, default)
+    name = f"{where}{name}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        kind = "an integer" if integer else "a number"
+        raise RequestError(name, f"must be {kind}, got {type(value).__name__}")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise RequestError(name, f"must be between {low:g} and {high:g}, got {value}")
+    return value
+
+
+def parse_blend(value: Any, defaults: BlendSettings) -> BlendSettings:
+    """Apply a request's ``blend`` object to the sidecar's default blend settings."""
+    if value is None:
+        return defaults
+    blend = _object(value, BLEND_FIELDS, "blend")
+    changes: dict[str, Any] = {}
+    if "selector" in blend:
+        if blend["selector"] not in SELECTORS:
+            raise RequestError("blend.selector", f"must be one of {', '.join(SELECTORS)}")
+        changes["selector"] = blend["selector"]
+    if "ratio" in blend:
+        changes["ratio"] = float(_number(blend, "ratio", 0.0, 0.0, 1.0, where="blend."))
+    if "deviation_on" in blend:
+        if blend["deviation_on"] not in ("k", "v", "kv"):
+            raise RequestError("blend.deviation_on", "must be 'k', 'v' or 'kv'")
+        changes["deviation_on"] = blend["deviation_on"]
+    if "boundary_w" in blend:
+        changes["boundary_w"] = int(_number(blend, "boundary_w", 0, 0, 4096, integer=True, where="blend."))
+    if "recompute_free" in blend:
+        if not isinstance(blend["recompute_free"], bool):
+            raise RequestError("blend.recompute_free", "must be true or false")
+        changes["recompute_free"] = blend["recompute_free"]
+    for name, kind in (("check_layers", int), ("schedule", float)):
+        if name in blend:
+            items = blend[name]
+            if not isinstance(items, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+                for v in items
+            ) or len(items) > 64:
+                raise RequestError(f"blend.{name}", f"must be a list of at most 64 {kind.__name__}s")
+            changes[name] = tuple(kind(v) for v in items)
+    if "ratio" in changes and "schedule" not in changes and defaults.schedule:
+        changes["schedule"] = ()  # a new ratio invalidates the default schedule's last step
+    try:
+        return defaults.with_(**changes)
+    except (SettingsError, TypeError) as error:
+        raise RequestError("blend", str(error)) from None
+
+
+def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
+                    blend_defaults: BlendSettings | None = None) -> RecommendCall:
+    """Validate a ``POST /v1/recommend`` body against the catalog ``items``."""
+    request = _object(body, RECOMMEND_FIELDS)
+    for required in ("user_id", "candidates"):
+        if required not in request:
+            raise RequestError(required, "is required")
+    instruction = request.get("instruction")
+    if instruction is not None and (not isinstance(instruction, str) or not instruction.strip()
+                                    or len(instruction) > MAX_INSTRUCTION_LENGTH):
+        raise RequestError("instruction", f"must be a non-empty string of at most {MAX_INSTRUCTION_LENGTH} characters")
+    blend = parse_blend(request.get("blend"), blend_defaults or BlendSettings())
+    return RecommendCall(
+        user_id=_identifier(request["user_id"], "user_id"),
+        history=_item_ids(request.get("history", []), "history", items, limits.max_history,
+                          allow_empty=True, unique=False),
+        candidates=_item_ids(request["candidates"], "candidates", items, limits.max_candidates,
+                             allow_empty=False, unique=True),
+        instruction=instruction,
+        max_tokens=int(_number(request, "max_tokens", 1, 1, limits.max_new_tokens, integer=True)),
+        temperature=float(_number(request, "temperature", 0.0, 0.0, 2.0)),
+        blend=blend,
+        logprobs=int(_number(request, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)),
+    )
+
+
+def parse_prefill(body: Any, items: Mapping[str, object], users: Sequence[str] | Mapping[str, object],
+                  limit: int = 100_000) -> PrefillCall:
+    """Validate a ``POST /v1/blocks/prefill`` body: ``{"items": [...], "users": [...]}``."""
+    request = _object(body, {"items", "users"})
+    if "items" not in request and "users" not in request:
+        raise RequestError("items", "give items and/or users to prefill")
+    item_ids = _item_ids(request.get("items", []), "items", items, limit, allow_empty=True, unique=False)
+    raw_users = request.get("users", [])
+    if not isinstance(raw_users, list) or len(raw_users) > limit:
+        raise RequestError("users", f"must be a list of at most {limit} user ids")
+    user_ids = tuple(_identifier(u, f"users[{i}]") for i, u in enumerate(raw_users))
+    for i, user in enumerate(user_ids):
+        if user not in users:
+            raise RequestError(f"users[{i}]", f"unknown user id {user!r}", status=422)
+    return PrefillCall(items=tuple(dict.fromkeys(item_ids)), users=tuple(dict.fromkeys(user_ids)))

@@ -1,0 +1,104 @@
+"""Request validation: every client mistake is a 4xx whose message names the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvshard_sidecar.engine.settings import BlendSettings
+from kvshard_sidecar.validation import Limits, RequestError, parse_blend, parse_prefill, parse_recommend
+
+ITEMS = {str(i): object() for i in range(1, 50)}
+LIMITS = Limits(max_candidates=10, max_history=20, max_new_tokens=16)
+VALID = {"user_id": "7", "history": ["1", "2"], "candidates": ["3", "4", "5"]}
+
+
+def reject(body: Any) -> RequestError:
+    with pytest.raises(RequestError) as error:
+        parse_recommend(body, ITEMS, LIMITS)
+    assert 400 <= error.value.status < 500
+    return error.value
+
+
+def test_a_valid_request_parses_with_defaults() -> None:
+    call = parse_recommend(VALID, ITEMS, LIMITS)
+    assert call.user_id == "7" and call.candidates == ("3", "4", "5")
+    assert call.max_tokens == 1 and call.temperature == 0.0 and call.instruction is None
+
+
+def test_integer_ids_are_accepted_as_strings() -> None:
+    call = parse_recommend({"user_id": 7, "candidates": [3, 4]}, ITEMS, LIMITS)
+    assert call.user_id == "7" and call.candidates == ("3", "4") and call.history == ()
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"candidates": []}, "candidates"),
+        ({"candidates": "3,4"}, "candidates"),
+        ({"candidates": ["3", "3"]}, "candidates[1]"),
+        ({"candidates": ["3", "999"]}, "candidates[1]"),
+        ({"candidates": [str(i) for i in range(1, 12)]}, "candidates"),
+        ({"candidates": ["3", 4.5]}, "candidates[1]"),
+        ({"candidates": ["3", None]}, "candidates[1]"),
+        ({"history": ["1", "nope"]}, "history[1]"),
+        ({"history": {"a": 1}}, "history"),
+        ({"history": ["1"] * 21}, "history"),
+        ({"user_id": ""}, "user_id"),
+        ({"user_id": ["x"]}, "user_id"),
+        ({"user_id": True}, "user_id"),
+        ({"user_id": "x" * 300}, "user_id"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 17}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"instruction": ""}, "instruction"),
+        ({"instruction": 5}, "instruction"),
+        ({"blend": []}, "blend"),
+        ({"blend": {"selector": "magic"}}, "blend.selector"),
+        ({"blend": {"ratio": 1.5}}, "blend.ratio"),
+        ({"blend": {"unknown": 1}}, "blend.unknown"),
+        ({"blend": {"check_layers": ["1"]}}, "blend.check_layers"),
+        ({"blend": {"check_layers": [0]}}, "blend"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_mistakes_name_their_field(change: dict[str, Any], field: str) -> None:
+    error = reject({**VALID, **change})
+    assert error.field == field, error.message
+
+
+@pytest.mark.parametrize("missing", ["user_id", "candidates"])
+def test_required_fields(missing: str) -> None:
+    body = dict(VALID)
+    del body[missing]
+    assert reject(body).field == missing
+
+
+@pytest.mark.parametrize("body", [None, [], "text", 3, True])
+def test_the_body_must_be_an_object(body: Any) -> None:
+    assert reject(body).field == "body"
+
+
+def test_unknown_items_are_422() -> None:
+    assert reject({**VALID, "candidates": ["404"]}).status == 422
+
+
+def test_blend_overrides_apply_over_defaults() -> None:
+    defaults = BlendSettings()
+    blended = parse_blend({"selector": "boundary", "ratio": 0.3}, defaults)
+    assert blended.selector == "boundary" and blended.ratio == 0.3
+    assert parse_blend(None, defaults) is defaults
+
+
+def test_prefill_needs_known_items_or_users() -> None:
+    call = parse_prefill({"items": ["1", "2", "1"], "users": ["u1"]}, ITEMS, {"u1": []})
+    assert call.items == ("1", "2") and call.users == ("u1",)
+    for body, field in [({}, "items"), ({"items": ["x"]}, "items[0]"), ({"users": ["u9"]}, "users[0]"),
+                        ({"users": "u1"}, "users")]:
+        with pytest.raises(RequestError) as error:
+            parse_prefill(body, ITEMS, {"u1": []})
+        assert error.value.field == field
