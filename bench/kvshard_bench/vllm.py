@@ -115,9 +115,11 @@ def run(args: argparse.Namespace) -> list[Row]:
 
     ttft: dict[str, list[float]] = {"embedded": [settled(lambda p: engine.blend(p).ttft_s)(p) for p in measured]}
     model_path = loaded.path
-    with tempfile.TemporaryDirectory(prefix="kvshard-bench-vllm-") as scratch:
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None  # the exchange lives in shared memory in a pod
+    with tempfile.TemporaryDirectory(prefix="kvshard-bench-vllm-") as scratch, \
+            tempfile.TemporaryDirectory(prefix="kvshard-bench-exchange-", dir=shm) as exchange_scratch:
         work = Path(scratch)
-        exchange_dir = work / "exchange"
+        exchange_dir = Path(exchange_scratch)
         exchange = KVExchange(exchange_dir)
         with _vllm(model_path, work, "vllm-connector", exchange_dir, prefix_caching=False) as server:
             client = VllmClient(_url(server), SERVED_NAME)

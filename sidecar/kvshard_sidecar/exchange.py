@@ -10,7 +10,8 @@ already computed. The two sides share nothing but a folder, so this module must 
   Python's ``hash()``, which differs per process;
 * an entry is one safetensors file ``<key>.safetensors`` holding ``token_ids`` (int64), ``keys`` and
   ``values`` (``[layers, kv_heads, tokens, head_dim]``, keys rotated for their final positions, the
-  model's dtype), with a blake2b checksum over every tensor in its metadata;
+  model's dtype), with a BLAKE3 checksum over every tensor in its metadata (BLAKE3: the whole prompt
+  KV is hashed on the request path twice, by the writer and by vLLM's worker, so speed matters);
 * a writer publishes atomically (a hidden temporary file, then ``os.replace``), so a reader sees a
   whole entry or none; a reader that finds a corrupt or mismatching file treats it as absent;
 * entries are removed once used, and anything older than the TTL (a crashed request, a sidecar that
@@ -32,6 +33,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import blake3
 import safetensors.torch
 import torch
 
@@ -39,11 +41,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_EXCHANGE_DIR = Path("/dev/shm/kvshard-exchange")
 DEFAULT_TTL_SECONDS = 120.0
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 SUFFIX = ".safetensors"
 
 _KEY_SCHEME = b"kvshard-exchange-key-v1"
-_CHECKSUM_SCHEME = b"kvshard-exchange-checksum-v1"
+_CHECKSUM_SCHEME = b"kvshard-exchange-checksum-v2"
 _TEMP_PREFIX = ".tmp-"
 _MAX_HEADER_BYTES = 64 * 1024  # a three-tensor header is ~500 bytes; anything huge is garbage
 
@@ -98,13 +100,13 @@ class KVExchange:
             "format_version": FORMAT_VERSION,
             "entry_key": entry_key(token_ids),
             "num_tokens": str(keys.shape[2]),
-            "checksum_blake2b": _checksum(tensors),
+            "checksum_blake3": _checksum(tensors),
         }
         target = self.path_for(token_ids)
         fd, temp_name = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self.directory)
+        os.close(fd)
         try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(safetensors.torch.save(tensors, metadata=metadata))
+            safetensors.torch.save_file(tensors, temp_name, metadata=metadata)  # no in-memory copy
             os.chmod(temp_name, self.file_mode)
             os.replace(temp_name, target)
         except BaseException:
@@ -210,8 +212,8 @@ def read_connector_stats(stats_dir: str | os.PathLike[str]) -> dict[str, int]:
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    """blake2b over each tensor's name, dtype and shape and then its bytes, in name order."""
-    digest = hashlib.blake2b(_CHECKSUM_SCHEME, digest_size=32)
+    """BLAKE3 over each tensor's name, dtype and shape and then its bytes, in name order."""
+    digest = blake3.blake3(_CHECKSUM_SCHEME)
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
         description = f"{name}\0{tensor.dtype}\0{','.join(map(str, tensor.shape))}\0".encode()
@@ -247,7 +249,7 @@ def _intact(metadata: dict[str, str], tensors: dict[str, torch.Tensor], token_id
     keys, values = tensors["keys"], tensors["values"]
     if keys.shape != values.shape or keys.dim() != 4 or str(keys.shape[2]) != metadata.get("num_tokens"):
         return False
-    return metadata.get("checksum_blake2b") == _checksum(tensors)
+    return metadata.get("checksum_blake3") == _checksum(tensors)
 
 
 def _unlink(path: Path) -> bool:
