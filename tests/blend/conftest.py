@@ -1,4 +1,4 @@
-"""Fixtures for the blend tests: the prepared SmolLM2 and a small real prompt."""
+"""Fixtures for the blend tests: a small real prompt (SmolLM2 itself comes from tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,6 @@ from typing import Any
 import pytest
 
 from kvshard.segments import Prompt, Segment, SegmentKind
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> Any:
-    from kvshard_sidecar.model import default_model_path, load_model
-
-    if not (default_model_path() / "config.json").exists():
-        pytest.skip("SmolLM2 is not prepared (run `kvshard model prepare`)")
-    return load_model()
 
 
 @pytest.fixture(scope="session")
