@@ -186,8 +186,10 @@ class SidecarService:
         A disk file is checked before it is offered, so a corrupt one is counted, removed and never
         sent; a memory-only block is encoded (with its checksum) on the fly.
         """
-        if self.store.disk is not None and self.store.disk.read_bytes(key) is not None:
-            return self.store.disk.path_for(key)
+        if self.store.disk is not None:
+            path = self.store.disk.verified_path(key)
+            if path is not None:
+                return path
         block = self.store.memory.get(key)
         return encode_block(key, block) if block is not None else None
 

@@ -28,10 +28,11 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from kvshard.segments import is_block_key
 from kvshard_sidecar.blockstore.block import KVBlock
@@ -42,6 +43,9 @@ SUFFIX = ".safetensors"
 _TEMP_SUFFIX = ".tmp"
 _USAGE = struct.Struct("<QQ")  # bytes, entries: stored in the lock file itself
 _STALE_TEMP_SECONDS = 3600  # temp files this old belong to a writer that died
+
+
+T = TypeVar("T")
 
 
 class DiskTier:
@@ -72,23 +76,20 @@ class DiskTier:
 
     def get(self, key: str) -> KVBlock | None:
         """The verified block for ``key``, or ``None`` (a miss; a corrupt file is also removed)."""
-        path = self.path_for(key)
-        read = _read_file(path)
-        if read is None:
-            self._count(misses=1)
-            return None
-        data, inode = read
-        try:
-            block = decode_block(key, data, copy=False)  # the fresh buffer becomes the tensors' own
-        except CorruptBlockError:
-            self._drop_corrupt(path, inode)
-            return None
-        self._touch(path)
-        self._count(hits=1)
-        return block
+        # The fresh buffer becomes the tensors' own: no copy.
+        return self._read_checked(key, lambda data: decode_block(key, data, copy=False))
 
     def read_bytes(self, key: str) -> bytes | None:
         """The verified encoded block for ``key`` (what a peer is sent), or ``None``."""
+        return self._read_checked(key, lambda data: _checked(key, data, bytes(data)))
+
+    def verified_path(self, key: str) -> Path | None:
+        """The file of ``key`` once its contents checked out (for ``sendfile`` to a peer), or ``None``."""
+        path = self.path_for(key)
+        return self._read_checked(key, lambda data: _checked(key, data, path))
+
+    def _read_checked(self, key: str, use: Callable[[bytearray], T]) -> T | None:
+        """Read ``key``'s file and hand it to ``use``; a miss or a corrupt file (removed) gives ``None``."""
         path = self.path_for(key)
         read = _read_file(path)
         if read is None:
@@ -96,13 +97,13 @@ class DiskTier:
             return None
         data, inode = read
         try:
-            verify_block(key, data)
+            result = use(data)
         except CorruptBlockError:
             self._drop_corrupt(path, inode)
             return None
         self._touch(path)
         self._count(hits=1)
-        return bytes(data)
+        return result
 
     def contains(self, key: str) -> bool:
         """Whether a file for ``key`` exists (unverified, uncounted, LRU order unchanged)."""
@@ -302,3 +303,9 @@ def _size_or_none(path: Path) -> int | None:
         return os.stat(path).st_size
     except FileNotFoundError:
         return None
+
+
+def _checked(key: str, data: bytearray, result: T) -> T:
+    """``result``, once ``data`` verifies as an intact encoding of block ``key``."""
+    verify_block(key, data)
+    return result
