@@ -129,7 +129,7 @@ class SidecarService:
 
     def _decode_embedded(self, built: RecommendationPrompt, call: RecommendCall
                          ) -> tuple[Any, list[int], str, dict[int, float], float, dict[str, float]]:
-        from kvshard_sidecar.engine.blend import Sampling
+        from kvshard_sidecar.engine.results import Sampling
 
         result, generation = self._engine.generate(
             built.prompt, call.max_tokens, call.blend, Sampling(temperature=call.temperature),

@@ -12,9 +12,10 @@ selection), :mod:`.executor` (layer halves over the Hugging Face modules), :mod:
 blended KV), :mod:`.source` (the block-store protocol), :mod:`.blend` (the engine).
 """
 
-from kvshard_sidecar.engine.blend import BlendEngine, BlendResult, Generation, Sampling
+from kvshard_sidecar.engine.blend import BlendEngine
 from kvshard_sidecar.engine.executor import Executor
 from kvshard_sidecar.engine.kvbuffer import KVBuffer
+from kvshard_sidecar.engine.results import BlendResult, Generation, Sampling
 from kvshard_sidecar.engine.settings import BlendSettings, SettingsError
 from kvshard_sidecar.engine.source import BlockSource, MemoryBlockSource
 from kvshard_sidecar.model import UnsupportedModelError

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from kvshard.segments import ModelIdentity, Prompt, Segment, SegmentKind, block_
 from kvshard_sidecar.blockstore.block import KVBlock
 from kvshard_sidecar.engine.executor import Executor
 from kvshard_sidecar.engine.kvbuffer import KVBuffer
+from kvshard_sidecar.engine.results import BlendResult, Generation, Sampling, pick_token
 from kvshard_sidecar.engine.rope import apply_rotary, rotate_keys, rotation_tables
 from kvshard_sidecar.engine.selectors import (
     Layout,
@@ -50,78 +51,6 @@ from kvshard_sidecar.engine.selectors import (
 )
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.engine.source import BlockSource, MemoryBlockSource, tier_name
-
-
-@dataclass
-class BlendResult:
-    """What one prefill produced.
-
-    Attributes:
-        method: ``full``, ``prefix`` or the selector name.
-        logits: float32 ``[vocab]`` of the first generated token.
-        ttft_s: wall time from request to logits (fetch + compute + assemble + layers + head).
-        timings: seconds per step: ``fetch``, ``compute`` (cold blocks), ``assemble``, ``layers``, ``head``.
-        num_tokens: prompt length N.
-        exact_prefix_tokens: leading tokens served exactly from cache, never recomputed.
-        recomputed_tokens: tokens that ran through the last layer.
-        token_layers: Σ over layers of tokens whose K/V were computed there (the cost model's unit).
-        query_tokens: prompt tokens per segment kind.
-        hit_tokens: tokens served from a tier, per kind then tier (``memory``, ``disk``, ``peer``…).
-        computed_tokens: tokens of blocks computed on the cold path, per kind.
-        selected: positions recomputed at the last layer.
-        kv: the prompt's KV after prefill (what decoding continues on).
-    """
-
-    method: str
-    logits: torch.Tensor
-    ttft_s: float
-    timings: dict[str, float]
-    num_tokens: int
-    exact_prefix_tokens: int
-    recomputed_tokens: int
-    token_layers: int
-    num_layers: int
-    query_tokens: dict[str, int]
-    hit_tokens: dict[str, dict[str, int]]
-    computed_tokens: dict[str, int]
-    selected: torch.Tensor
-    kv: KVBuffer = field(repr=False)
-
-    @property
-    def recompute_ratio(self) -> float:
-        """Share of the prompt that ran through the last layer."""
-        return self.recomputed_tokens / max(1, self.num_tokens)
-
-    @property
-    def full_token_layers(self) -> int:
-        return self.num_tokens * self.num_layers
-
-    @property
-    def ideal_speedup(self) -> float:
-        """Full prefill's token-layers over this prefill's: the speedup if cost were linear in them."""
-        return self.full_token_layers / max(1, self.token_layers)
-
-    @property
-    def cold(self) -> bool:
-        return bool(self.computed_tokens)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Decoding policy: greedy when ``temperature == 0``; else softmax sampling, optionally top-k."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    seed: int | None = None
-
-
-@dataclass
-class Generation:
-    """Decoded token ids (the first comes from the prefill's logits) and, if kept, each step's logits."""
-
-    token_ids: list[int]
-    logits: list[torch.Tensor]
-    stopped: bool
 
 
 @dataclass
@@ -499,7 +428,7 @@ class BlendEngine:
         for step in range(max_new_tokens):
             if keep_logits:
                 kept.append(logits)
-            token = _pick(logits, sampling, generator)
+            token = pick_token(logits, sampling, generator)
             tokens.append(token)
             if token in stops:
                 return Generation(tokens, kept, True)
@@ -570,14 +499,3 @@ def _exact_segments(prompt: Prompt, settings: BlendSettings, cached: int) -> int
             and _behind_system_only(prompt, 1, settings)):
         exact = 2
     return exact
-
-
-def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    if sampling.temperature <= 0:
-        return int(torch.argmax(logits))
-    scaled = logits.float() / sampling.temperature
-    if sampling.top_k:
-        top = torch.topk(scaled, min(sampling.top_k, scaled.numel()))
-        choice = torch.multinomial(torch.softmax(top.values, -1), 1, generator=generator)
-        return int(top.indices[choice])
-    return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator))
