@@ -63,8 +63,9 @@ def _add_demo_command(sub: Any) -> None:
         "demo",
         help="the main job on the embedded default (MovieLens-100k, SmolLM2)",
         description="Prepare the model, load a dataset, prefill item and user-history KV blocks for a "
-        "sample of users into the block store, then print store statistics and one example prompt "
-        "with its segment boundaries.",
+        "sample of users into the block store (memory + disk), print store statistics and one example "
+        "prompt with its segment boundaries, then serve that prompt blended from the store and compare "
+        "TTFT and first token with a full prefill.",
     )
     demo.add_argument("--dataset", default="movielens-100k", help="built-in name or folder (default: %(default)s)")
     demo.add_argument("--model", type=Path, default=None, help="Hugging Face model folder (default: SmolLM2)")
@@ -77,7 +78,7 @@ def _add_demo_command(sub: Any) -> None:
     demo.set_defaults(handler=_lazy("kvshard_sidecar.demo", "run"))
 
 
-def _add_sidecar_commands(sub: Any, argv: Sequence[str]) -> None:
+def _add_sidecar_commands(sub: Any) -> None:
     sidecar = sub.add_parser("sidecar", help="the data plane beside vLLM in each pod",
                              description="The kvshard sidecar: block store, blend engine, HTTP API.")
     sidecar_sub = sidecar.add_subparsers(dest="sidecar_command", required=True, metavar="COMMAND")
@@ -168,7 +169,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_model_commands(sub)
     _add_demo_command(sub)
-    _add_sidecar_commands(sub, argv)
+    _add_sidecar_commands(sub)
     _add_operator_commands(sub)
     _add_bench_commands(sub, argv)
     return parser
