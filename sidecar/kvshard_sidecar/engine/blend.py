@@ -66,13 +66,8 @@ class _Assembly:
 class BlendEngine:
     """Blends cached segment KV for one model; thread-compatible, not thread-safe (one request at a time)."""
 
-    def __init__(
-        self,
-        model: Any,
-        identity: ModelIdentity,
-        store: BlockSource | None = None,
-        settings: BlendSettings | None = None,
-    ) -> None:
+    def __init__(self, model: Any, identity: ModelIdentity, store: BlockSource | None = None,
+                 settings: BlendSettings | None = None) -> None:
         self.executor = Executor(model)
         self.identity = identity
         self.store: BlockSource = store if store is not None else MemoryBlockSource()
