@@ -137,20 +137,28 @@ def _least_loaded(candidates: npt.NDArray[np.int32] | npt.NDArray[np.int64], loa
     return int(candidates[int(np.argmin(load[candidates]))])
 
 
+class _Rotation:
+    """Takes turns among equally good pods, so ties never pile onto the lowest index."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._turn = start
+
+    def pick(self, candidates: npt.NDArray[np.int32] | npt.NDArray[np.int64]) -> int:
+        j = int(candidates[self._turn % len(candidates)])
+        self._turn += 1
+        return j
+
+
 @register("round-robin")
 class RoundRobinPolicy:
     """Each healthy pod in turn."""
 
     def __init__(self) -> None:
-        self._turn = 0
+        self._rotation = _Rotation()
 
     def choose(self, request: RouteRequest, snapshot: Snapshot, load: LoadView) -> str | None:
         healthy = snapshot.healthy_indices
-        if not len(healthy):
-            return None
-        j = int(healthy[self._turn % len(healthy)])
-        self._turn += 1
-        return snapshot.pods[j]
+        return snapshot.pods[self._rotation.pick(healthy)] if len(healthy) else None
 
 
 @register("least-loaded")
@@ -158,16 +166,14 @@ class LeastLoadedPolicy:
     """The healthy pod with the fewest in-flight requests; ties rotate so idle pods share work."""
 
     def __init__(self) -> None:
-        self._turn = 0
+        self._rotation = _Rotation(start=1)
 
     def choose(self, request: RouteRequest, snapshot: Snapshot, load: LoadView) -> str | None:
         healthy = snapshot.healthy_indices
         if not len(healthy):
             return None
         loads = load.inflight(snapshot)[healthy]
-        best = healthy[loads == loads.min()]
-        self._turn += 1
-        return snapshot.pods[int(best[self._turn % len(best)])]
+        return snapshot.pods[self._rotation.pick(healthy[loads == loads.min()])]
 
 
 @register("prefix-aware")
