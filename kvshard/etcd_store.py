@@ -300,23 +300,25 @@ class EtcdStore:
         out = [(int(kv.key.decode()[len(prefix):]) / 1000, json.loads(kv.value)) for kv in resp.kvs]
         return sorted(out, key=lambda pair: pair[0])
 
-    async def put_warm(self, namespace: str, name: str, pod: str, clusters: Sequence[int], generation: int) -> None:
-        """A sidecar reports the clusters it has warmed (for ``generation``)."""
-        value = json.dumps({"generation": generation, "clusters": sorted(int(c) for c in clusters)})
-        await self._call("put", self._kv.put(warm_key(namespace, name, pod), value, timeout=self.timeout))
+    async def put_warm(self, namespace: str, name: str, pod: str, report: ps.WarmReport) -> None:
+        """A sidecar reports the clusters it has warmed and where it answers."""
+        await self._call("put", self._kv.put(warm_key(namespace, name, pod), report.encode(), timeout=self.timeout))
 
-    async def read_warm(self, namespace: str, name: str) -> dict[str, tuple[int, list[int]]]:
-        """Pod → (generation, warmed clusters); the router moves traffic only to warm replicas."""
+    async def read_warm(self, namespace: str, name: str) -> dict[str, ps.WarmReport]:
+        """Pod → its last warm report; the router moves traffic only to warm replicas. Unreadable
+        reports are skipped (a reader never fails because one pod wrote garbage)."""
         prefix = shard_prefix(namespace, name) + "warm/"
         resp = await self._call("read", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
                                                      timeout=self.timeout))
-        out: dict[str, tuple[int, list[int]]] = {}
+        out: dict[str, ps.WarmReport] = {}
         for kv in resp.kvs:
-            doc = json.loads(kv.value)
-            out[kv.key.decode()[len(prefix):]] = (int(doc["generation"]), [int(c) for c in doc["clusters"]])
+            try:
+                out[kv.key.decode()[len(prefix):]] = ps.WarmReport.decode(bytes(kv.value))
+            except ps.PlacementFormatError:
+                continue
         return out
 
-    async def watch_warm(self, namespace: str, name: str) -> AsyncIterator[dict[str, tuple[int, list[int]]]]:
+    async def watch_warm(self, namespace: str, name: str) -> AsyncIterator[dict[str, ps.WarmReport]]:
         """Yield the whole warm map now and again after every change (a pod reported or left);
         the router moves traffic to a new replica only once it shows up here."""
         prefix = shard_prefix(namespace, name) + "warm/"

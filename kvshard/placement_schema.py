@@ -57,6 +57,32 @@ class Placement:
         return sorted(i for i, c in self.item_clusters.items() if c == cluster)
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmReport:
+    """What one sidecar says about itself under ``warm/<pod>``: the clusters whose item blocks it
+    holds (for ``generation``), where it answers (``url``, so the router and peers can reach it
+    without a Kubernetes lookup), and how many assigned clusters it is still warming."""
+
+    generation: int
+    clusters: tuple[int, ...]
+    url: str = ""
+    warming: int = 0
+
+    def encode(self) -> bytes:
+        doc = {"schema": SCHEMA, "generation": self.generation, "clusters": sorted(set(self.clusters)),
+               "url": self.url, "warming": self.warming}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> WarmReport:
+        try:
+            doc = json.loads(data)
+            return cls(int(doc["generation"]), tuple(int(c) for c in doc["clusters"]), str(doc.get("url", "")),
+                       int(doc.get("warming", 0)))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise PlacementFormatError(f"not a warm report: {exc}") from exc
+
+
 def encode_assignment(placement: Placement, chunks: int) -> bytes:
     """The ``gen/<G>/assignment`` value; pods are listed once and referenced by index."""
     pods = sorted(set(placement.pods) | {p for h in placement.assignment.values() for p in h})

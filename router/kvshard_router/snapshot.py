@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from kvshard.placement_schema import Placement
+from kvshard.placement_schema import Placement, WarmReport
 
 IntArray = npt.NDArray[np.int64]
 UIntArray = npt.NDArray[np.uint64]
@@ -248,13 +248,13 @@ def _csr(rows: Sequence[Sequence[int]]) -> tuple[Int32Array, Int32Array]:
     return indptr, flat
 
 
-def warm_from_reports(reports: Mapping[str, tuple[int, Sequence[int]]]) -> dict[str, frozenset[int]]:
-    """``EtcdStore.read_warm`` output (pod → (generation, clusters)) as pod → warm clusters.
+def warm_from_reports(reports: Mapping[str, WarmReport]) -> dict[str, frozenset[int]]:
+    """``EtcdStore.read_warm`` output (pod → report) as pod → warm clusters.
 
     The generation is not filtered on: blocks warmed for an older generation are still in the pod's
     store until the sidecar evicts them and re-reports, so they still serve hits.
     """
-    return {pod: frozenset(int(c) for c in clusters) for pod, (_generation, clusters) in reports.items()}
+    return {pod: frozenset(report.clusters) for pod, report in reports.items()}
 
 
 def build_snapshot(

@@ -99,14 +99,14 @@ async def test_heat_snapshots_expire_with_their_lease(store: etcd_store.EtcdStor
 
 
 async def test_warm_sets_are_per_pod(store: etcd_store.EtcdStore, shard: tuple[str, str]) -> None:
-    await store.put_warm(*shard, "pod-a", [2, 0], generation=1)
-    await store.put_warm(*shard, "pod-b", [1], generation=1)
+    await store.put_warm(*shard, "pod-a", ps.WarmReport(1, (2, 0), "http://a"))
+    await store.put_warm(*shard, "pod-b", ps.WarmReport(1, (1,)))
     await store.delete_warm(*shard, "pod-b")
-    assert await store.read_warm(*shard) == {"pod-a": (1, [0, 2])}
+    assert await store.read_warm(*shard) == {"pod-a": ps.WarmReport(1, (0, 2), "http://a")}
 
 
 async def test_watch_warm_reports_each_change(store: etcd_store.EtcdStore, shard: tuple[str, str]) -> None:
-    seen: list[dict[str, tuple[int, list[int]]]] = []
+    seen: list[dict[str, ps.WarmReport]] = []
 
     async def follow() -> None:
         async for warm in store.watch_warm(*shard):
@@ -116,11 +116,11 @@ async def test_watch_warm_reports_each_change(store: etcd_store.EtcdStore, shard
 
     task = asyncio.create_task(follow())
     await asyncio.sleep(0.3)
-    await store.put_warm(*shard, "pod-a", [1], generation=1)
+    await store.put_warm(*shard, "pod-a", ps.WarmReport(1, (1,)))
     await asyncio.sleep(0.3)
     await store.delete_warm(*shard, "pod-a")
     await asyncio.wait_for(task, timeout=10)
-    assert seen == [{}, {"pod-a": (1, [1])}, {}]
+    assert seen == [{}, {"pod-a": ps.WarmReport(1, (1,))}, {}]
 
 
 async def test_delete_all_removes_every_key_of_one_shard_only(

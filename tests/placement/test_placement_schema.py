@@ -50,3 +50,11 @@ def test_lookups_answer_for_pods_and_items() -> None:
     assert p.pods_for_item("item-1") == ("pod-1", "pod-9")
     assert p.pods_for_item("unknown") == ()
     assert p.items_of(2) == ["item-2", "item-5", "item-8"]
+
+
+def test_warm_report_round_trips_and_garbage_is_refused() -> None:
+    report = ps.WarmReport(3, (5, 1, 5), "http://10.0.0.7:8100", warming=2)
+    assert ps.WarmReport.decode(report.encode()) == ps.WarmReport(3, (1, 5), "http://10.0.0.7:8100", 2)
+    for garbage in (b"", b"[]", b'{"generation": "x", "clusters": []}', b"\xff"):
+        with pytest.raises(ps.PlacementFormatError):
+            ps.WarmReport.decode(garbage)
