@@ -10,6 +10,9 @@ data directory and ports, so parallel tests never share state.
         ...
         etcd.stop()      # simulate an outage (the data directory survives)
         etcd.start()     # back on the same port with the same data
+
+:class:`PrometheusServer` does the same for Prometheus (Debian's ``prometheus``): the rebalancer reads
+rates from a real one, and ``kvshard up`` runs one scraping every process it started.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+
+from kvshard.processes import http_ok
 
 
 class EtcdNotInstalledError(FileNotFoundError):
@@ -146,3 +151,109 @@ class EtcdServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class PrometheusNotInstalledError(FileNotFoundError):
+    """No Prometheus binary: install Debian's ``prometheus`` or set ``KVSHARD_PROMETHEUS_BINARY``."""
+
+
+def prometheus_binary() -> str:
+    """The Prometheus executable to run, or :class:`PrometheusNotInstalledError`."""
+    explicit = os.environ.get("KVSHARD_PROMETHEUS_BINARY")
+    found = explicit or shutil.which("prometheus") or (
+        "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
+    if not found:
+        raise PrometheusNotInstalledError(
+            "prometheus not found: apt-get install prometheus, or set KVSHARD_PROMETHEUS_BINARY")
+    return found
+
+
+class PrometheusServer:
+    """One Prometheus on loopback with the given config file and a private TSDB folder.
+
+        with PrometheusServer(config_path) as prom:
+            urllib.request.urlopen(prom.url + "/api/v1/query?query=up")
+
+    ``reload()`` re-reads the config (the lifecycle API is enabled), so targets can be added live.
+    """
+
+    def __init__(self, config_path: Path, *, data_dir: Path | None = None, port: int | None = None,
+                 start_timeout: float = 30.0) -> None:
+        self.binary = prometheus_binary()
+        self.config_path = config_path
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="kvshard-prometheus-"))
+        self.start_timeout = start_timeout
+        self.log_path = self.data_dir / "prometheus.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> None:
+        """Start Prometheus and wait until ``/-/ready`` answers."""
+        if self.running:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            self.binary,
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.data_dir / 'tsdb'}",
+            f"--web.listen-address={self.host}:{self.port}",
+            "--web.enable-lifecycle",
+            "--storage.tsdb.retention.time=1d",
+        ]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
+        self._process = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                break
+            if http_ok(f"{self.url}/-/ready", timeout=0.5):
+                return
+            time.sleep(0.1)
+        self.stop()
+        tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+        raise RuntimeError(f"prometheus on {self.url} did not become ready:\n{tail}")
+
+    def reload(self) -> None:
+        """Ask Prometheus to re-read its config file."""
+        request = urllib.request.Request(f"{self.url}/-/reload", method="POST")
+        with urllib.request.urlopen(request, timeout=5):
+            pass
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=10)
+        self._process = None
+
+    def close(self) -> None:
+        """Stop Prometheus and remove the data folder if we created it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> PrometheusServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
