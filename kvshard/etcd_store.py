@@ -114,16 +114,17 @@ class EtcdStore:
         if self._connected:
             return
         await self._client.connect()
-        self._connected = True
+        self._connected = True  # _call needs the channel; undone below if the login fails
         if self._username:
             auth = self._client.auth
             assert auth is not None
             try:
                 resp = await self._call("authenticate",
                                         auth.authenticate(self._username, self._password or "", timeout=self.timeout))
-            except EtcdUnavailableError:
-                raise
             except EtcdStoreError as exc:
+                await self.close()
+                if isinstance(exc, EtcdUnavailableError):
+                    raise
                 raise EtcdAuthError(f"etcd refused user {self._username!r}: {exc.__cause__ or exc}") from exc
             self._client.set_token(resp.token)
 

@@ -6,8 +6,8 @@
   the last attempt and re-places incrementally when they differ (this is what makes HPA scaling
   work), and retries transient failures (etcd down) with exponential backoff;
 * delete → the finalizer removes every etcd key of the CacheShard first;
-* a rebalance timer is registered; its policy (hot/cold re-replication from Prometheus) arrives
-  with the router issue, so for now it only records that no policy is configured.
+* a rebalance timer re-replicates hot clusters and drops cold replicas once per
+  ``spec.rebalance.intervalSeconds``, from Prometheus rates (:mod:`rebalancer`).
 
 Settings are read from the environment (:class:`~kvshard_operator.settings.Settings`) when this
 module is imported, because kopf fixes timer intervals at registration.
@@ -23,8 +23,7 @@ from typing import Any
 import kopf
 
 from kvshard import etcd_store
-from kvshard_operator import conditions as cond
-from kvshard_operator import crd, kube, metrics
+from kvshard_operator import crd, kube, metrics, rebalancer
 from kvshard_operator.reconcile import PodView, ShardState, ready_pods, reconcile
 from kvshard_operator.settings import Settings
 
@@ -144,19 +143,27 @@ async def follow_pods(
 
 
 @kopf.timer(*RESOURCE, interval=SETTINGS.rebalance_check_seconds, initial_delay=SETTINGS.rebalance_check_seconds)
-def rebalance(*, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, patch: kopf.Patch, logger: kopf.Logger,
-              **_: Any) -> None:
-    """Hot/cold rebalancing tick. The policy arrives with the router issue; until then this only
-    records, on shards that enable rebalancing, that no policy is configured."""
-    if not (spec.get("rebalance") or {}).get("enabled"):
+async def rebalance(
+    *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, **_: Any,
+) -> None:
+    """Hot/cold rebalancing: once per ``spec.rebalance.intervalSeconds``, skipped while a
+    (re)placement holds the shard's lock (the next tick tries again)."""
+    rebalance_spec = spec.get("rebalance") or {}
+    if not rebalance_spec.get("enabled"):
         return
-    current = cond.get(status.get("conditions"), cond.REBALANCING) or {}
-    if current.get("reason") == "NoPolicyConfigured":
+    state = _state(memo)
+    interval = float(rebalance_spec.get("intervalSeconds") or 300)
+    if state.lock.locked() or not rebalancer.due(state, status, interval, time.time(),
+                                                 slack_seconds=SETTINGS.rebalance_check_seconds / 2):
         return
-    logger.info("rebalancing is enabled but no rebalance policy is configured in this operator version")
-    patch.status["conditions"] = cond.set_condition(
-        cond.ensure_all(status.get("conditions")), cond.REBALANCING, cond.FALSE, "NoPolicyConfigured",
-        "no rebalance policy is configured in this operator version", observed_generation=meta.get("generation"))
+    async with state.lock:
+        outcome = await rebalancer.rebalance_shard(
+            namespace=str(namespace), name=name, spec=dict(spec), status=dict(status),
+            generation=meta.get("generation"), settings=SETTINGS, state=state, logger=logger,
+            read_secret=kube.read_etcd_credentials)
+    if outcome is not None:
+        patch.status.update(outcome.status)
 
 
 @kopf.on.delete(*RESOURCE)

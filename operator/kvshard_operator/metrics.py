@@ -12,7 +12,17 @@ PLACEMENT_SECONDS = Histogram(
 REBALANCES = Counter(
     "kvshard_operator_rebalances_total",
     "Placements published, by what triggered them.",
-    ["reason"],  # created | spec | pods | resume
+    ["reason"],  # created | spec | pods | retry | resume | rebalance
+)
+REBALANCE_ACTIONS = Counter(
+    "kvshard_operator_rebalance_actions_total",
+    "Replica changes published by the hot/cold rebalancer, by kind.",
+    ["kind"],  # replicate | move | drop
+)
+REBALANCE_INTERVALS = Counter(
+    "kvshard_operator_rebalance_intervals_total",
+    "Rebalance intervals evaluated, by outcome (the Rebalancing condition's reason).",
+    ["outcome"],  # Rebalanced | Balanced | NoTraffic | PrometheusUnavailable | EtcdUnavailable | GenerationConflict
 )
 MOVED_REPLICAS = Counter(
     "kvshard_operator_moved_replicas_total",

@@ -327,6 +327,48 @@ def moved_replicas(old: Mapping[int, Sequence[str]], new: Mapping[int, Sequence[
     return sum(len(set(pods) - set(old.get(c, ()))) for c, pods in new.items())
 
 
+def base_replicas(previous: Mapping[int, Sequence[str]], replicas: int) -> dict[int, list[str]]:
+    """The first ``replicas`` holders of each cluster: what :func:`assign_clusters` placed (it lists
+    its holders first; the rebalancer appends the replicas it adds)."""
+    return {c: list(dict.fromkeys(h))[:max(replicas, 1)] for c, h in previous.items()}
+
+
+def keep_extra_replicas(
+    assignment: Mapping[int, Sequence[str]],
+    previous: Mapping[int, Sequence[str]],
+    capacity: Mapping[str, int],
+    *,
+    replicas: int,
+    cluster_bytes: Mapping[int, int] | None = None,
+) -> dict[int, list[str]]:
+    """``assignment`` (placed from :func:`base_replicas` of ``previous``) plus, for every cluster that
+    ``previous`` held on more than ``replicas`` pods (the rebalancer extended it), each previous
+    holder that still exists and has room, after the placed ones.
+
+    :func:`assign_clusters` gives every cluster exactly ``replicas`` holders, so without this a
+    re-placement for a pod change would drop every hot-cluster replica and the next rebalance
+    interval would add them back: churn and cold caches on every scaling event. Placing the base
+    replicas exactly as without a rebalancer keeps re-placement a fixed point; warm replicas of a
+    hot cluster are never dropped here (the rebalancer's cold pass does that when it cools).
+    """
+    sizes = cluster_bytes or {}
+    out = {c: list(h) for c, h in assignment.items()}
+    used = dict.fromkeys(capacity, 0)
+    for c, holders in out.items():
+        for p in holders:
+            if p in used:
+                used[p] += sizes.get(c, 0)
+    for c in sorted(out):
+        before = list(dict.fromkeys(previous.get(c, ())))
+        if len(before) <= max(replicas, 1):
+            continue
+        for p in before:
+            if p in capacity and p not in out[c] and used[p] + sizes.get(c, 0) <= capacity[p]:
+                out[c].append(p)
+                used[p] += sizes.get(c, 0)
+    return out
+
+
 def inherit_assignment(
     old_labels: Mapping[str, int], new_labels: Mapping[str, int], old_assignment: Mapping[int, Sequence[str]]
 ) -> dict[int, list[str]]:

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvshard import etcd_store
 from kvshard import placement_schema as ps
+from kvshard.rebalance import RebalanceState
 from kvshard_operator import catalog as catalogs
 from kvshard_operator import conditions as cond
 from kvshard_operator import embedding, metrics, placement, selectors, validation
@@ -50,6 +51,10 @@ class ShardState:
     labels_key: tuple[Any, ...] | None = None
     labels: dict[str, int] = dataclasses.field(default_factory=dict)
     """Cached clustering (item → cluster) for ``labels_key``; clustering is the expensive step."""
+    rebalanced_at: float | None = None
+    """Unix time of the last rebalance attempt (the rebalancer waits ``intervalSeconds`` after it)."""
+    rebalance: RebalanceState = dataclasses.field(default_factory=RebalanceState)
+    """The rebalance policy's memory (interval counter, per-cluster cooldowns) between intervals."""
 
 
 @dataclasses.dataclass
@@ -168,10 +173,16 @@ async def reconcile(
             else:
                 prior = placement.inherit_assignment(previous.item_clusters, labels, previous.assignment)
             try:
+                # pods/resume/retry keep the rebalancer's extra replicas of hot clusters; a spec edit re-places
+                keep_hot = trigger != "spec"
+                replicas, sizes = int(spec["itemReplicas"]), _cluster_bytes(cat, labels, settings.kv_bytes_per_token)
                 assignment = placement.assign_clusters(
-                    clusters, dict.fromkeys(live, capacity), replicas=int(spec["itemReplicas"]), previous=prior,
-                    cluster_bytes=_cluster_bytes(cat, labels, settings.kv_bytes_per_token),
+                    clusters, dict.fromkeys(live, capacity), replicas=replicas,
+                    previous=placement.base_replicas(prior, replicas) if keep_hot else prior, cluster_bytes=sizes,
                 )
+                if keep_hot:
+                    assignment = placement.keep_extra_replicas(assignment, prior, dict.fromkeys(live, capacity),
+                                                               replicas=replicas, cluster_bytes=sizes)
             except placement.PlacementError as exc:
                 reason = "InsufficientCapacity" if isinstance(exc, placement.InsufficientCapacityError) else "NoPods"
                 metrics.INVALID.labels(reason).inc()
@@ -221,9 +232,9 @@ async def reconcile(
     if not rebalance.get("enabled"):
         conditions = cond.set_condition(conditions, cond.REBALANCING, cond.FALSE, "Disabled",
                                         "spec.rebalance.enabled is false", observed_generation=generation)
-    elif (cond.get(conditions, cond.REBALANCING) or {}).get("reason") == "Pending":
-        conditions = cond.set_condition(conditions, cond.REBALANCING, cond.FALSE, "NoPolicyConfigured",
-                                        "no rebalance policy is configured in this operator version",
+    elif (cond.get(conditions, cond.REBALANCING) or {}).get("reason") in ("Pending", "Disabled"):
+        conditions = cond.set_condition(conditions, cond.REBALANCING, cond.FALSE, "Waiting",
+                                        f"first rebalance within {rebalance['intervalSeconds']} s",
                                         observed_generation=generation)
     return Outcome(
         {"observedGeneration": generation, "conditions": conditions, "placementGeneration": published,

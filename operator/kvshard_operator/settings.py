@@ -46,8 +46,14 @@ class Settings:
     """First retry delay after a transient error (etcd down); doubles up to ``retry_backoff_max``."""
     retry_backoff_max: float = 60.0
     """Longest retry delay after transient errors."""
-    rebalance_check_seconds: float = 30.0
-    """Tick of the rebalance timer (each CacheShard's own interval is in its spec)."""
+    rebalance_check_seconds: float = 5.0
+    """Tick of the rebalance timer; a CacheShard rebalances on the first tick after its own
+    ``spec.rebalance.intervalSeconds`` has passed, so this bounds how late an interval may start."""
+    rebalance_window_seconds: float = 0.0
+    """PromQL ``rate()`` window of the rebalancer; 0 means each CacheShard's interval. Keep it at
+    least 4× the Prometheus scrape interval so every rate has several samples."""
+    prometheus_timeout_seconds: float = 5.0
+    """Deadline of each Prometheus query; when it passes the interval is skipped (PrometheusUnavailable)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -110,6 +110,9 @@ POLICIES: dict[str, Callable[..., RoutingPolicy]] = {}
 
 _P = TypeVar("_P")
 
+DEFAULT_LOAD_PENALTY_TOKENS = 32.0
+"""λ of :class:`AffinityPolicy` unless configured: one queued request outweighs two 16-token item blocks."""
+
 
 def register(name: str) -> Callable[[_P], _P]:
     """Class decorator: make a policy constructible by ``name``; returns the class unchanged."""
@@ -237,7 +240,7 @@ class AffinityPolicy:
     affinity (which piles a hot cluster's traffic onto its holders).
     """
 
-    def __init__(self, load_penalty_tokens: float = 32.0) -> None:
+    def __init__(self, load_penalty_tokens: float = DEFAULT_LOAD_PENALTY_TOKENS) -> None:
         if load_penalty_tokens < 0:
             raise ValueError("load_penalty_tokens must be >= 0")
         self.load_penalty_tokens = load_penalty_tokens

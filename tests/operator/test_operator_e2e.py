@@ -208,8 +208,10 @@ def test_operator_metrics_use_the_component_prefix_and_count_placements(
         cluster.create_shard(shard("counted", etcd, catalog_file, prometheus={"url": "http://prometheus:9090"},
                                    rebalance={"enabled": True, "intervalSeconds": 60}))
         wait_until(lambda: generation_is(etcd, "counted", 1), what="generation 1")
-        rebalancing = wait_until(lambda: condition(cluster.shard("counted"), "Rebalancing"), what="Rebalancing")
-        assert (rebalancing["status"], rebalancing["reason"]) == ("False", "NoPolicyConfigured")
+        rebalancing = wait_until(lambda: condition(cluster.shard("counted"), "Rebalancing").get("reason")
+                                 == "PrometheusUnavailable" and condition(cluster.shard("counted"), "Rebalancing"),
+                                 what="Rebalancing=False for lack of Prometheus")
+        assert rebalancing["status"] == "False" and "http://prometheus:9090" in rebalancing["message"]
     assert created() == before + 1
     assert (REGISTRY.get_sample_value("kvshard_operator_placement_seconds_count") or 0) >= 1
     from prometheus_client.metrics import MetricWrapperBase

@@ -66,7 +66,8 @@ def test_cluster_nobody_warmed_falls_back_to_its_assigned_pods() -> None:
 
 
 def test_warm_reports_from_pods_outside_the_placement_are_ignored() -> None:
-    snap = build_snapshot(placement({0: ("a",)}, {"x": 0}), warm_from_reports({"gone": WarmReport(2, (0,)), "a": WarmReport(1, (0,))}))
+    reports = {"gone": WarmReport(2, (0,)), "a": WarmReport(1, (0,))}
+    snap = build_snapshot(placement({0: ("a",)}, {"x": 0}), warm_from_reports(reports))
     assert snap.pods == ("a",)
     assert snap.holders_of(0) == ("a",)
 

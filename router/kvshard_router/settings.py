@@ -1,0 +1,76 @@
+"""The router's one settings object: flags, then ``KVSHARD_ROUTER_*`` env, then defaults.
+
+The router is stateless: everything it routes by comes from etcd (placement generations and the
+sidecars' warm reports), so its settings are only where to listen, where etcd is, which CacheShard
+to follow and how to score. The etcd password is a secret and comes from the environment only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from kvshard import settings as settings_lib
+from kvshard.settings import setting
+from kvshard_router.policies import DEFAULT_LOAD_PENALTY_TOKENS
+
+ENV_PREFIX = "KVSHARD_ROUTER_"
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_SHARD = re.compile(rf"(?P<namespace>{_DNS_LABEL})/(?P<name>{_DNS_LABEL}(\.{_DNS_LABEL})*)")
+_HOST_PORT = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
+PolicyName = Literal["affinity", "round-robin", "least-loaded", "prefix-aware"]
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a pod)")
+    port: int = setting(8200, "HTTP port of the router")
+    etcd_endpoints: tuple[str, ...] = setting((), "etcd endpoints host:port holding the placement (comma-separated)")
+    etcd_username: str = setting("", "etcd user (empty: no authentication)")
+    etcd_password: str = setting("", "etcd password", secret=True)
+    cacheshard: str = setting("", "the CacheShard whose placement to follow, as <namespace>/<name>")
+    policy: PolicyName = setting("affinity", "routing policy: affinity (cached tokens minus load), round-robin, "
+                                 "least-loaded or prefix-aware (the baselines)")
+    load_penalty_tokens: float = setting(DEFAULT_LOAD_PENALTY_TOKENS,
+                                         "affinity λ: cached tokens one in-flight request on a pod is worth")
+    health_interval_seconds: float = setting(1.0, "seconds between GET <pod>/readyz probes of every known pod")
+    request_timeout_seconds: float = setting(120.0, "longest a forwarded /v1/recommend may take (then 504)")
+    connect_timeout_seconds: float = setting(2.0, "longest a connection to a pod (then the next pod) or a "
+                                             "/readyz probe may take")
+    item_tokens: int = setting(16, "tokens assumed per item block when scoring pods")
+    history_tokens: int = setting(0, "tokens credited for the user-history block (replicated on every pod)")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise settings_lib.SettingsError("port must be in 1..65535")
+        for name in ("health_interval_seconds", "request_timeout_seconds", "connect_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise settings_lib.SettingsError(f"{name} must be > 0")
+        for name in ("load_penalty_tokens", "item_tokens", "history_tokens"):
+            if getattr(self, name) < 0:
+                raise settings_lib.SettingsError(f"{name} must be >= 0")
+        bad = [e for e in self.etcd_endpoints if not _HOST_PORT.fullmatch(e)]
+        if bad:
+            raise settings_lib.SettingsError(f"etcd_endpoints: {', '.join(bad)} is not host:port")
+        if self.cacheshard:
+            self.shard()  # validates the form
+        elif self.etcd_endpoints:
+            raise settings_lib.SettingsError("cacheshard (<namespace>/<name>) is required with etcd_endpoints")
+
+    def shard(self) -> tuple[str, str]:
+        """``cacheshard`` as ``(namespace, name)``."""
+        match = _SHARD.fullmatch(self.cacheshard)
+        if match is None:
+            raise settings_lib.SettingsError(
+                f"cacheshard: {self.cacheshard!r} is not <namespace>/<name> (lowercase DNS labels)")
+        return match["namespace"], match["name"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    settings_lib.add_arguments(parser, RouterSettings, ENV_PREFIX)
+
+
+def from_args(args: argparse.Namespace | None) -> RouterSettings:
+    return settings_lib.from_sources(RouterSettings, args, ENV_PREFIX)

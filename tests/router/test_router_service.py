@@ -1,0 +1,524 @@
+"""The router service: request parsing, following placement in a real etcd, health checks, forwarding
+and failover over real HTTP, and — slow — the router process in front of two real sidecars."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from router_helpers import FakePod, eventually, metric, post, publish, running_router
+
+from kvshard.datasets import Dataset
+from kvshard.etcd_store import EtcdStore
+from kvshard.placement_schema import Placement, WarmReport
+from kvshard.processes import ManagedProcess, http_ok
+from kvshard.testing_servers import EtcdServer, free_port
+from kvshard_router.follower import PlacementFollower, QuietRepeats
+from kvshard_router.policies import RouteRequest
+from kvshard_router.state import RouterState
+from kvshard_router.validation import RequestError, parse_recommend
+
+ITEMS = {**{f"a{i}": 0 for i in range(8)}, **{f"b{i}": 1 for i in range(8)}}
+A_ITEMS = ["a0", "a1", "a2", "a3"]
+B_ITEMS = ["b0", "b1", "b2", "b3"]
+
+
+def placement(generation: int, assignment: dict[int, tuple[str, ...]], items: dict[str, int] = ITEMS) -> Placement:
+    pods = tuple(sorted({p for holders in assignment.values() for p in holders}))
+    return Placement(generation=generation, assignment=assignment, item_clusters=items, pods=pods)
+
+
+def reports(**pods: tuple[tuple[int, ...], str]) -> dict[str, WarmReport]:
+    return {pod: WarmReport(1, clusters, url=url) for pod, (clusters, url) in pods.items()}
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b"{not json", "body"),
+        (b"\xff\xfe", "body"),
+        (b"[" * 100_000, "body"),
+        (b'["user", "items"]', "body"),
+        (b'{"candidates": ["1"]}', "user_id"),
+        (b'{"user_id": true, "candidates": ["1"]}', "user_id"),
+        (b'{"user_id": "", "candidates": ["1"]}', "user_id"),
+        (b'{"user_id": "1"}', "candidates"),
+        (b'{"user_id": "1", "candidates": "1,2"}', "candidates"),
+        (b'{"user_id": "1", "candidates": ["1", {"id": 2}]}', "candidates[1]"),
+        (b'{"user_id": "1", "candidates": ["1"], "history": "2"}', "history"),
+        (b'{"user_id": "1", "candidates": ["1"], "history": [null]}', "history[0]"),
+    ],
+)
+def test_a_malformed_body_is_a_400_naming_the_field(raw: bytes, field: str) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse_recommend(raw)
+    assert (caught.value.status, caught.value.field) == (400, field)
+    assert caught.value.body()["error"]["message"]
+
+
+def test_a_body_becomes_the_route_request_with_ids_as_strings() -> None:
+    raw = json.dumps({"user_id": 7, "candidates": ["50", 172], "history": [1, "2"], "max_tokens": 3}).encode()
+    assert parse_recommend(raw, history_tokens=40) == RouteRequest(
+        user="7", items=("50", "172"), history=("1", "2"), history_tokens=40)
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+def test_only_pods_with_a_url_and_a_passed_check_are_routable() -> None:
+    state = RouterState()
+    state.set_placement(placement(1, {0: ("a",), 1: ("b",)}))
+    state.set_reports(reports(a=((0,), "http://127.0.0.1:1"), b=((1,), "not a url"), gone=((0,), "http://x:2")))
+    assert state.snapshot is not None and not state.snapshot.healthy.any()  # unverified until checked
+    assert state.urls() == {"a": "http://127.0.0.1:1"}  # b's URL is unusable, "gone" left the placement
+    state.set_health("a", True)
+    state.set_health("b", True)
+    assert state.snapshot.healthy.tolist() == [True, False]
+    assert state.snapshot.pods == ("a", "b")
+    state.set_health("a", False, "refused")
+    assert not state.snapshot.healthy.any()
+
+
+def test_a_pod_that_moves_to_a_new_url_is_unverified_until_checked_there() -> None:
+    state = RouterState()
+    state.set_placement(placement(1, {0: ("a",), 1: ("a",)}))
+    state.set_reports(reports(a=((0, 1), "http://127.0.0.1:1")))
+    state.set_health("a", True)
+    assert state.routable("a")
+    state.set_reports(reports(a=((0, 1), "http://127.0.0.1:2")))  # the pod restarted elsewhere
+    assert not state.routable("a") and state.snapshot is not None and not state.snapshot.healthy.any()
+
+
+# ------------------------------------------------------------------------------------------ follower
+
+
+async def _follower(etcd: EtcdServer, name: str) -> tuple[PlacementFollower, RouterState]:
+    state = RouterState()
+    follower = PlacementFollower(EtcdStore([etcd.endpoint], timeout=1.0), "default", name, state, max_backoff=1.0)
+    follower.start()
+    return follower, state
+
+
+async def test_the_follower_builds_snapshots_from_etcd_and_reuses_the_item_index(etcd: EtcdServer) -> None:
+    follower, state = await _follower(etcd, "follow")
+    try:
+        await publish(etcd.endpoint, "default/follow", placement(1, {0: ("a",), 1: ("b",)}),
+                      reports(a=((0,), "http://127.0.0.1:1"), b=((1,), "")))
+        await eventually(lambda: state.generation == 1 and set(state.reports) == {"a", "b"}, what="generation 1")
+        first = state.snapshot
+        assert first is not None and first.holders_of(0) == ("a",) and first.holders_of(1) == ("b",)
+        assert state.urls() == {"a": "http://127.0.0.1:1"} and state.updated_at is not None
+
+        # Only the assignment changes (a replica of cluster 1 on a): same item index, new holders once warm.
+        await publish(etcd.endpoint, "default/follow", placement(2, {0: ("a",), 1: ("b", "a")}),
+                      reports(a=((0, 1), "http://127.0.0.1:1")))
+        await eventually(lambda: state.generation == 2 and 1 in state.warm("a"), what="generation 2, a warm")
+        assert state.snapshot is not None and state.snapshot.items is first.items
+        assert state.snapshot.holders_of(1) == ("b", "a")
+
+        # New items: the index is rebuilt.
+        await publish(etcd.endpoint, "default/follow", placement(3, {0: ("a",), 1: ("b",)}, {**ITEMS, "new": 1}),
+                      {})
+        await eventually(lambda: state.generation == 3, what="generation 3")
+        assert state.snapshot is not None and state.snapshot.items is not first.items
+        assert state.snapshot.clusters_of(["new"]).tolist() == [1]
+    finally:
+        await follower.stop()
+
+
+async def test_the_router_keeps_its_snapshot_while_etcd_is_down_and_follows_again_after(etcd: EtcdServer) -> None:
+    follower, state = await _follower(etcd, "outage")
+    try:
+        await publish(etcd.endpoint, "default/outage", placement(1, {0: ("a",), 1: ("b",)}),
+                      reports(a=((0,), "http://127.0.0.1:1")))
+        await eventually(lambda: state.generation == 1 and "a" in state.reports, what="generation 1")
+        snapshot = state.snapshot
+        etcd.stop()
+        await asyncio.sleep(1.5)
+        assert state.snapshot is snapshot and state.generation == 1  # still routing by the last placement
+        etcd.start()
+        await publish(etcd.endpoint, "default/outage", placement(2, {0: ("b",), 1: ("b",)}), {})
+        await eventually(lambda: state.generation == 2, timeout=20, what="generation 2 after the outage")
+    finally:
+        await follower.stop()
+
+
+async def test_a_router_started_while_etcd_is_down_logs_once_and_picks_up_placement_later(
+    etcd: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    etcd.stop()
+    caplog.set_level(logging.WARNING, logger="kvshard_router.follower")
+    follower, state = await _follower(etcd, "late")
+    try:
+        await eventually(lambda: not follower.connected, what="the follower noticing etcd is down")
+        await asyncio.sleep(2.5)  # several retries
+        warnings = [r for r in caplog.records if r.name == "kvshard_router.follower"]
+        assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]  # once per watch, not per retry
+        assert state.snapshot is None
+        etcd.start()
+        await publish(etcd.endpoint, "default/late", placement(1, {0: ("a",), 1: ("b",)}), {})
+        await eventually(lambda: state.generation == 1 and follower.connected, timeout=20, what="generation 1")
+    finally:
+        await follower.stop()
+
+
+def test_repeated_reconnect_warnings_are_kept_to_one_a_minute() -> None:
+    now = [0.0]
+    quiet = QuietRepeats(interval=60, clock=lambda: now[0])
+    record = logging.LogRecord("etcd3aio.watch", logging.WARNING, __file__, 1, "reconnecting", None, None)
+    passed = []
+    for t in (0, 1, 5, 59, 61, 62, 200):
+        now[0] = t
+        passed.append(quiet.filter(record))
+    assert passed == [True, False, False, False, True, False, True]
+
+
+# ------------------------------------------------------------------------------------------ router over fake pods
+
+
+@pytest.fixture
+async def pods() -> AsyncIterator[tuple[FakePod, FakePod]]:
+    a, b = FakePod("a"), FakePod("b")
+    await a.start()
+    await b.start()
+    yield a, b
+    await a.stop()
+    await b.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as client:
+        yield client
+
+
+async def _ready(session: aiohttp.ClientSession, url: str, healthy: int = 2) -> None:
+    async def check() -> bool:
+        async with session.get(f"{url}/readyz") as resp:
+            return resp.status == 200 and len((await resp.json())["healthy_pods"]) == healthy
+
+    await eventually(check, what=f"router ready with {healthy} healthy pods")
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/metrics") as resp:
+        return await resp.text()
+
+
+async def _publish_two(etcd_server: EtcdServer, shard: str, a: FakePod, b: FakePod) -> None:
+    await publish(etcd_server.endpoint, shard, placement(1, {0: ("a",), 1: ("b",)}),
+                  reports(a=((0,), a.url), b=((1,), b.url)))
+
+
+async def test_requests_go_to_the_pod_holding_their_clusters(
+    etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
+) -> None:
+    a, b = pods
+    await _publish_two(etcd_server, "default/holding", a, b)
+    async with running_router(etcd_server.endpoint, "default/holding") as (url, _):
+        await _ready(session, url)
+        for user in range(3):
+            for items, pod in ((A_ITEMS, "a"), (B_ITEMS[1:] + ["a0"], "b")):
+                raw = json.dumps({"user_id": user, "candidates": items, "max_tokens": 2}).encode()
+                status, headers, body = await post(session, f"{url}/v1/recommend", raw=raw)
+                assert (status, body, headers["X-Kvshard-Pod"]) == (200, {"pod": pod}, pod)
+                assert headers["X-Kvshard-Generation"] == "1"
+                assert (a if pod == "a" else b).received[-1] == raw  # forwarded byte for byte
+
+        text = await _metrics(session, url)
+        assert metric(text, "kvshard_router_requests_total", pod="a", code="2xx") == 3
+        assert metric(text, "kvshard_router_requests_total", pod="b", code="2xx") == 3
+        assert metric(text, "kvshard_router_decision_seconds_count") == 6
+        assert metric(text, "kvshard_router_cluster_requests_total", cluster="0") == 6  # b's requests hold a0 too
+        assert metric(text, "kvshard_router_cluster_requests_total", cluster="1") == 3
+        assert metric(text, "kvshard_router_cluster_hits_total", cluster="0") == 3  # only a has cluster 0 warm
+        assert metric(text, "kvshard_router_cluster_hits_total", cluster="1") == 3
+        assert metric(text, "kvshard_router_pod_healthy", pod="a") == 1
+        assert metric(text, "kvshard_router_placement_generation") == 1
+        assert metric(text, "kvshard_router_upstream_seconds_count", pod="a") == 3
+        assert metric(text, "kvshard_router_inflight_requests", pod="a") == 0
+
+        async with session.get(f"{url}/v1/placement") as resp:
+            view = await resp.json()
+        assert view["generation"] == 1 and view["policy"] == "affinity" and view["items"] == len(ITEMS)
+        assert view["pods"][0] == {"name": "a", "url": a.url, "healthy": True, "reason": None, "inflight": 0.0,
+                                   "warm": [0], "assigned": [0]}
+
+
+async def test_bad_requests_get_a_json_4xx_and_the_router_keeps_serving(
+    etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
+) -> None:
+    a, b = pods
+    await _publish_two(etcd_server, "default/bad", a, b)
+    async with running_router(etcd_server.endpoint, "default/bad") as (url, _):
+        await _ready(session, url)
+        cases: list[tuple[bytes, str, int, str]] = [
+            (b"{not json", "application/json", 400, "body"),
+            (b'{"candidates": ["a0"]}', "application/json", 400, "user_id"),
+            (b'{"user_id": "1", "candidates": "a0"}', "application/json", 400, "candidates"),
+            (b'{"user_id": "1", "candidates": ["a0"]}', "text/plain", 415, "body"),
+            (b"x" * (2 << 20), "application/json", 413, "body"),
+        ]
+        for raw, content_type, status, field in cases:
+            got, _, body = await post(session, f"{url}/v1/recommend", raw=raw, content_type=content_type)
+            assert (got, body["error"]["field"]) == (status, field), body
+        async with session.get(f"{url}/v1/nothing-here") as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["field"] == "request"
+        assert a.received == [] and b.received == []
+        assert (await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS}))[0] == 200
+        text = await _metrics(session, url)
+        assert metric(text, "kvshard_router_requests_total", pod="none", code="4xx") == len(cases)
+
+
+async def test_a_refused_connection_is_retried_once_on_the_other_pod(
+    etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
+) -> None:
+    a, b = pods
+    await _publish_two(etcd_server, "default/refused", a, b)
+    # Probes are far apart: the passive check (the failed forward) must be what takes a out.
+    async with running_router(etcd_server.endpoint, "default/refused", health_interval_seconds=60) as (url, router):
+        await _ready(session, url)
+        await a.stop()
+        status, headers, body = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
+        assert (status, headers["X-Kvshard-Pod"], body) == (200, "b", {"pod": "b"})
+        assert not router.state.routable("a")
+        text = await _metrics(session, url)
+        assert metric(text, "kvshard_router_retries_total") == 1
+        assert metric(text, "kvshard_router_pod_healthy", pod="a") == 0
+        assert metric(text, "kvshard_router_cluster_hits_total", cluster="0") is None  # b is cold for cluster 0
+        status, headers, _ = await post(session, f"{url}/v1/recommend", {"user_id": "2", "candidates": A_ITEMS})
+        assert (status, headers["X-Kvshard-Pod"]) == (200, "b")
+        assert metric(await _metrics(session, url), "kvshard_router_retries_total") == 1  # a is no longer tried
+
+
+async def test_a_503_is_retried_elsewhere_but_other_pod_errors_pass_through(
+    etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
+) -> None:
+    a, b = pods
+    await _publish_two(etcd_server, "default/passthrough", a, b)
+    async with running_router(etcd_server.endpoint, "default/passthrough") as (url, _):
+        await _ready(session, url)
+        request = {"user_id": "1", "candidates": A_ITEMS}
+        for code in (422, 429, 500):
+            a.status = code
+            status, headers, body = await post(session, f"{url}/v1/recommend", request)
+            assert (status, headers["X-Kvshard-Pod"]) == (code, "a")
+            assert body["error"]["message"] == "a says no"
+        assert metric(await _metrics(session, url), "kvshard_router_retries_total") == 0
+
+        a.status = 503
+        status, headers, body = await post(session, f"{url}/v1/recommend", request)
+        assert (status, headers["X-Kvshard-Pod"], body) == (200, "b", {"pod": "b"})
+        assert metric(await _metrics(session, url), "kvshard_router_retries_total") == 1
+
+
+async def test_no_healthy_pod_is_503_and_two_failures_are_502(
+    etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
+) -> None:
+    a, b = pods
+    await _publish_two(etcd_server, "default/failing", a, b)
+    async with running_router(etcd_server.endpoint, "default/failing", health_interval_seconds=60) as (url, _):
+        await _ready(session, url)
+        await a.stop()
+        b.status = 503
+        status, headers, body = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
+        assert status == 502 and headers["Retry-After"]
+        message = body["error"]["message"]
+        assert "pod a could not be reached" in message and "pod b answered 503" in message
+
+        status, headers, body = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": B_ITEMS})
+        assert (status, body["error"]["field"]) == (503, "pods") and headers["Retry-After"] == "1"
+        async with session.get(f"{url}/readyz") as resp:
+            assert resp.status == 503 and "none of the 2 pods" in (await resp.json())["error"]["message"]
+
+
+async def test_a_503_with_no_other_pod_is_passed_through(
+    etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pods
+    await publish(etcd_server.endpoint, "default/single", placement(1, {0: ("a",), 1: ("a",)}),
+                  reports(a=((0, 1), a.url)))
+    async with running_router(etcd_server.endpoint, "default/single", health_interval_seconds=60) as (url, _):
+        await _ready(session, url, healthy=1)
+        a.status = 503
+        status, headers, _ = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
+        assert (status, headers["X-Kvshard-Pod"], headers["Retry-After"]) == (503, "a", "7")
+
+
+async def test_health_checks_take_a_pod_out_and_bring_it_back(
+    etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
+) -> None:
+    a, b = pods
+    await _publish_two(etcd_server, "default/health", a, b)
+    async with running_router(etcd_server.endpoint, "default/health") as (url, router):
+        await _ready(session, url)
+        a.ready = False
+        await eventually(lambda: not router.state.routable("a"), timeout=3, what="a marked unhealthy")
+        status, headers, _ = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
+        assert (status, headers["X-Kvshard-Pod"]) == (200, "b")
+        async with session.get(f"{url}/v1/placement") as resp:
+            assert (await resp.json())["pods"][0]["reason"] == "/readyz answered 503"
+        a.ready = True
+        await eventually(lambda: router.state.routable("a"), timeout=3, what="a healthy again")
+        status, headers, _ = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
+        assert (status, headers["X-Kvshard-Pod"]) == (200, "a")
+        assert metric(await _metrics(session, url), "kvshard_router_retries_total") == 0
+
+
+async def test_a_pod_without_a_url_is_never_chosen(
+    etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
+) -> None:
+    a, b = pods
+    await publish(etcd_server.endpoint, "default/nourl", placement(1, {0: ("a",), 1: ("b",)}),
+                  reports(a=((0,), ""), b=((1,), b.url)))
+    async with running_router(etcd_server.endpoint, "default/nourl") as (url, _):
+        await _ready(session, url, healthy=1)
+        status, headers, _ = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
+        assert (status, headers["X-Kvshard-Pod"]) == (200, "b")
+        async with session.get(f"{url}/v1/placement") as resp:
+            view = await resp.json()
+        assert view["pods"][0]["healthy"] is False and view["pods"][0]["reason"] == "no usable URL in its warm report"
+
+
+async def test_before_any_placement_the_router_is_not_ready(
+    etcd_server: EtcdServer, session: aiohttp.ClientSession
+) -> None:
+    async with running_router(etcd_server.endpoint, "default/empty") as (url, _):
+        async with session.get(f"{url}/healthz") as resp:
+            assert resp.status == 200
+        async with session.get(f"{url}/readyz") as resp:
+            assert resp.status == 503 and (await resp.json())["error"]["field"] == "placement"
+        status, headers, body = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
+        assert (status, body["error"]["field"], headers["Retry-After"]) == (503, "placement", "1")
+        assert metric(await _metrics(session, url), "kvshard_router_placement_generation") == 0
+
+
+# ------------------------------------------------------------------------------------------ real sidecars
+
+
+def _call(url: str, body: Any = None, raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:
+    data = raw if raw is not None else json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            status, headers, payload = response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        status, headers, payload = error.code, dict(error.headers), error.read()
+    try:
+        return status, headers, json.loads(payload)
+    except ValueError:
+        return status, headers, payload.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def processes() -> Iterator[list[ManagedProcess]]:
+    started: list[ManagedProcess] = []
+    yield started
+    for process in started:
+        process.stop()
+
+
+def _sidecar(folder: Path, name: str) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "kvshard.cli", "--log-level", "WARNING", "sidecar", "serve",
+               "--port", str(port), "--pod-name", name, "--disk-bytes", "0", "--memory-bytes", str(256 << 20),
+               "--max-prompt-tokens", "1024", "--max-queue", "4"]
+    url = f"http://127.0.0.1:{port}"
+    return ManagedProcess(command, folder / f"{name}.log", f"{url}/readyz", env=dict(os.environ)), url
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_the_router_process_in_front_of_two_real_sidecars(
+    etcd_server: EtcdServer, movielens: Dataset, processes: list[ManagedProcess], tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    (pod_a, url_a), (pod_b, url_b) = _sidecar(tmp_path, "pod-a"), _sidecar(tmp_path, "pod-b")
+    router_port = free_port()
+    router_url = f"http://127.0.0.1:{router_port}"
+    router = ManagedProcess(
+        [sys.executable, "-m", "kvshard.cli", "router", "serve", "--port", str(router_port),
+         "--etcd-endpoints", etcd_server.endpoint, "--cacheshard", "default/movielens",
+         "--health-interval-seconds", "0.5"],
+        tmp_path / "router.log", f"{router_url}/healthz")
+    processes.extend([pod_a, pod_b, router])
+    for process in (pod_a, pod_b, router):
+        process.start(wait=False)  # the two models load in parallel
+    for process in (pod_a, pod_b, router):
+        process.wait_ready()
+    print(f"sidecars and router up after {time.monotonic() - started:.1f} s")  # shown when the test fails
+
+    # Half of the catalog is cluster 0 on pod-a, the other half cluster 1 on pod-b; both report warm.
+    ids = list(movielens.items)
+    half = {item: 0 if i < len(ids) // 2 else 1 for i, item in enumerate(ids)}
+    cluster = {0: [i for i in ids if half[i] == 0], 1: [i for i in ids if half[i] == 1]}
+    asyncio.run(publish(etcd_server.endpoint, "default/movielens",
+                        Placement(1, {0: ("pod-a",), 1: ("pod-b",)}, half, pods=("pod-a", "pod-b")),
+                        {"pod-a": WarmReport(1, (0,), url=url_a), "pod-b": WarmReport(1, (1,), url=url_b)}))
+    deadline = time.monotonic() + 15
+    while not http_ok(f"{router_url}/readyz") or len(_call(f"{router_url}/readyz")[2]["healthy_pods"]) < 2:
+        assert time.monotonic() < deadline, router.log_tail()
+        time.sleep(0.1)
+
+    def request(user: str, which: int, offset: int) -> dict[str, Any]:
+        return {"user_id": user, "history": movielens.histories[user][:5],
+                "candidates": cluster[which][offset:offset + 4], "max_tokens": 1}
+
+    # (1) each request goes to the pod holding its candidates' cluster
+    for n, (user, which) in enumerate([("1", 0), ("2", 1), ("3", 0), ("4", 1), ("5", 0)]):
+        status, headers, body = _call(f"{router_url}/v1/recommend", request(user, which, 4 * n))
+        assert status == 200, body
+        assert headers["X-Kvshard-Pod"] == ("pod-a", "pod-b")[which] and headers["X-Kvshard-Generation"] == "1"
+        assert body["text"] and body["tokens"]["prompt"] > 0
+
+    # (2) malformed bodies get 400 naming the field; the sidecar's own 4xx passes through; still serving
+    for raw, field in ((b"{not json", "body"), (b'{"candidates": ["1"]}', "user_id"),
+                       (b'{"user_id": "1", "candidates": "1"}', "candidates")):
+        status, _, body = _call(f"{router_url}/v1/recommend", raw=raw)
+        assert (status, body["error"]["field"]) == (400, field)
+    status, headers, body = _call(f"{router_url}/v1/recommend", {**request("6", 0, 0), "max_tokens": "two"})
+    assert (status, headers["X-Kvshard-Pod"], body["error"]["field"]) == (400, "pod-a", "max_tokens")
+    assert _call(f"{router_url}/v1/recommend", request("6", 1, 0))[0] == 200
+
+    # (4) the metrics show the decisions, requests per pod and per-cluster requests and hits
+    text = _call(f"{router_url}/metrics")[2]
+    assert metric(text, "kvshard_router_decision_seconds_count") == 7
+    assert metric(text, "kvshard_router_requests_total", pod="pod-a", code="2xx") == 3
+    assert metric(text, "kvshard_router_requests_total", pod="pod-b", code="2xx") == 3
+    assert metric(text, "kvshard_router_requests_total", pod="none", code="4xx") == 3
+    assert metric(text, "kvshard_router_cluster_requests_total", cluster="0") == 4
+    assert metric(text, "kvshard_router_cluster_hits_total", cluster="0") == 3
+    assert metric(text, "kvshard_router_cluster_hits_total", cluster="1") == 3
+
+    # (3) pod-a dies: its cluster is served by pod-b (at most the first request retried), and the
+    # router reports pod-a unhealthy within a few seconds
+    print(f"routing and validation checked after {time.monotonic() - started:.1f} s")
+    pod_a.kill()
+    for user in ("7", "8"):
+        status, headers, body = _call(f"{router_url}/v1/recommend", request(user, 0, 0))
+        assert (status, headers["X-Kvshard-Pod"]) == (200, "pod-b"), body
+    deadline = time.monotonic() + 5
+    while metric(_call(f"{router_url}/metrics")[2], "kvshard_router_pod_healthy", pod="pod-a") != 0:
+        assert time.monotonic() < deadline, "pod-a still healthy 5 s after it was killed"
+        time.sleep(0.1)
+    text = _call(f"{router_url}/metrics")[2]
+    assert (metric(text, "kvshard_router_retries_total") or 0) <= 1
+    assert metric(text, "kvshard_router_pod_healthy", pod="pod-b") == 1
+    assert "pod pod-a is unhealthy" in router.log_tail(20_000)
+    print(f"failover checked after {time.monotonic() - started:.1f} s")
