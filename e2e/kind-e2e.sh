@@ -4,14 +4,14 @@
 #   e2e/kind-e2e.sh           run it (make e2e-kind)
 #   e2e/kind-e2e.sh --check   only report whether this machine can run it
 #
-# Steps: build the operator and sidecar-cpu images → create a kind cluster → load the images →
-# helm install the chart with e2e/values-kind.yaml → apply the example CacheShard → wait for
-# Ready → send /v1/recommend requests to the engine Service → check sidecar and operator metrics
-# → delete the CacheShard, uninstall, delete the cluster (always, also on failure).
+# Steps: build the operator, router and sidecar-cpu images → create a kind cluster → load the
+# images → helm install the chart with e2e/values-kind.yaml → apply the example CacheShard (the
+# one router and sidecars follow) → wait for Ready → wait for the router (Ready once it has the
+# placement) → send /v1/recommend requests through the router and to the engine Service → check
+# router, sidecar and operator metrics → delete the CacheShard, uninstall, delete the cluster
+# (always, also on failure).
 #
 # Without a Docker engine or kind it prints exactly what is missing and exits 0.
-# The router is not part of the test yet: `kvshard router serve` arrives with the Router issue,
-# so requests go to the engine Service (router.enabled=false).
 #
 # Environment: KVSHARD_E2E_KEEP=1 keeps the cluster; KVSHARD_E2E_CLUSTER names it (kvshard-e2e).
 set -euo pipefail
@@ -23,6 +23,7 @@ RELEASE=kvshard
 PYTHON="${PYTHON:-python3}"
 SIDECAR_PORT=18100
 OPERATOR_PORT=19090
+ROUTER_PORT=18200
 
 missing=()
 command -v docker >/dev/null 2>&1 || missing+=("docker (CLI not on PATH)")
@@ -62,6 +63,7 @@ teardown() {
     if ((rc != 0)); then
       "$KUBECTL" -n "$NAMESPACE" get pods,cacheshards -o wide || true
       "$KUBECTL" -n "$NAMESPACE" logs deployment/"$RELEASE"-operator --tail=50 || true
+      "$KUBECTL" -n "$NAMESPACE" logs deployment/"$RELEASE"-router --tail=50 || true
     fi
     # The operator's finalizer removes the CacheShard's etcd keys: delete it while the operator runs.
     "$KUBECTL" -n "$NAMESPACE" delete cacheshards --all --timeout=120s || true
@@ -85,8 +87,9 @@ port_forward() {  # port_forward <resource> <local:remote>
   return 1
 }
 
-log "1/8 build images (operator, sidecar-cpu)"
+log "1/8 build images (operator, router, sidecar-cpu)"
 docker build --target operator -t kvshard/operator:e2e "$ROOT"
+docker build --target router -t kvshard/router:e2e "$ROOT"
 docker build --target sidecar-cpu -t kvshard/sidecar-cpu:e2e "$ROOT"
 
 log "2/8 create kind cluster $CLUSTER"
@@ -95,26 +98,37 @@ kind get clusters 2>/dev/null | grep -qx "$CLUSTER" || \
 kind export kubeconfig --name "$CLUSTER" --kubeconfig "$KUBECONFIG_FILE"
 
 log "3/8 load images into kind"
-kind load docker-image --name "$CLUSTER" kvshard/operator:e2e kvshard/sidecar-cpu:e2e
+kind load docker-image --name "$CLUSTER" kvshard/operator:e2e kvshard/router:e2e kvshard/sidecar-cpu:e2e
 
 log "4/8 install the chart (CPU values)"
+# No --wait: the router turns Ready only once the CacheShard (step 5) is placed; wait for the rest.
 "$HELM" upgrade --install "$RELEASE" "$ROOT/charts/kvshard" -n "$NAMESPACE" --create-namespace \
-  -f "$ROOT/e2e/values-kind.yaml" --wait --timeout 30m
+  -f "$ROOT/e2e/values-kind.yaml"
+"$KUBECTL" -n "$NAMESPACE" rollout status statefulset/"$RELEASE"-etcd --timeout=10m
+"$KUBECTL" -n "$NAMESPACE" rollout status deployment/"$RELEASE"-operator --timeout=10m
+"$KUBECTL" -n "$NAMESPACE" rollout status statefulset/"$RELEASE"-engine --timeout=30m
 
 log "5/8 apply the example CacheShard"
 "$HELM" template "$RELEASE" "$ROOT/charts/kvshard" -n "$NAMESPACE" -f "$ROOT/e2e/values-kind.yaml" \
   --set exampleCacheShard.enabled=true --show-only templates/cacheshard-example.yaml \
   | "$KUBECTL" apply -f -
 
-log "6/8 wait for the CacheShard to be Ready"
+log "6/8 wait for the CacheShard to be Ready and the router to follow it"
 "$KUBECTL" -n "$NAMESPACE" wait cacheshard --all --for=condition=Ready --timeout=15m
 "$KUBECTL" -n "$NAMESPACE" get cacheshards -o wide
+"$KUBECTL" -n "$NAMESPACE" rollout status deployment/"$RELEASE"-router --timeout=10m
 
-log "7/8 send /v1/recommend requests to the engine Service"
+log "7/8 send /v1/recommend requests through the router and to the engine Service"
+port_forward "service/$RELEASE-router" "$ROUTER_PORT:8200"
+"$PYTHON" "$ROOT/e2e/kind_e2e_check.py" recommend --url "http://127.0.0.1:$ROUTER_PORT" --requests 6
 port_forward "service/$RELEASE-engine" "$SIDECAR_PORT:8100"
 "$PYTHON" "$ROOT/e2e/kind_e2e_check.py" recommend --url "http://127.0.0.1:$SIDECAR_PORT" --requests 6
 
 log "8/8 check metrics"
+# The router's `pod` label names the engine pod that answered (never "none" for a routed 2xx).
+"$PYTHON" "$ROOT/e2e/kind_e2e_check.py" metrics --url "http://127.0.0.1:$ROUTER_PORT" \
+  --expect '^kvshard_router_requests_total\{.*pod="'"$RELEASE"'-engine-[0-9]+".*code="2xx"' \
+  --expect '^kvshard_router_placement_generation'
 "$PYTHON" "$ROOT/e2e/kind_e2e_check.py" metrics --url "http://127.0.0.1:$SIDECAR_PORT" \
   --expect '^kvshard_sidecar_ready\{' \
   --expect '^kvshard_sidecar_requests_total\{.*endpoint="/v1/recommend".*code="200"' \

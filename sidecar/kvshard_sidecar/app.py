@@ -23,13 +23,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshard.segments import is_block_key
+from kvshard_sidecar.follower import PlacementFollower
 from kvshard_sidecar.peers import TOKEN_HEADER, bearer
-from kvshard_sidecar.service import SidecarService
+from kvshard_sidecar.service import SidecarService, WarmUnit
 from kvshard_sidecar.validation import RequestError, parse_prefill, parse_recommend
 
 log = logging.getLogger(__name__)
 
 SERVICE = web.AppKey("service", SidecarService)
+FOLLOWER = web.AppKey("follower", PlacementFollower)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 1 << 20
 
@@ -157,6 +159,17 @@ async def readyz(request: web.Request) -> web.StreamResponse:
     return web.json_response({"status": "ready", "model": service.model_name, "pod": service.settings.name})
 
 
+async def warm_state(request: web.Request) -> web.StreamResponse:
+    """What this pod follows, holds and is still warming (debugging placement)."""
+    follower = request.app.get(FOLLOWER)
+    if follower is None:
+        service = request.app[SERVICE]
+        if service.settings.etcd_endpoints and not service.ready:
+            return _error(503, "service", "the model is still loading", {"Retry-After": "5"})
+        return _error(404, "etcd_endpoints", "this sidecar does not follow placement (no --etcd-endpoints)")
+    return web.json_response(follower.state())
+
+
 def build_app(service: SidecarService) -> web.Application:
     """The aiohttp application; the model loads in the background after startup."""
     app = web.Application(middlewares=[errors_as_json], client_max_size=MAX_BODY_BYTES)
@@ -170,6 +183,7 @@ def build_app(service: SidecarService) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/v1/warm", warm_state)
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
     return app
@@ -190,13 +204,23 @@ async def _start(app: web.Application) -> None:
         log.info("sidecar %s ready in %.1f s (model %s)", service.settings.name,
                  time.perf_counter() - started, service.model_name)
         service.prefill_queue.start(loop, app["pool"], app["compute"])
+        history = service.history_users(service.settings.warm_history_users)
+        if service.settings.etcd_endpoints:  # the follower queues history behind its first clusters
+            follower = PlacementFollower(service, history)
+            app[FOLLOWER] = follower
+            follower.start()
+        elif history:
+            service.prefill_queue.submit_units((WarmUnit("user", (u,)) for u in history), priority=1)
 
     app["loader"] = asyncio.create_task(load())
 
 
 async def _stop(app: web.Application) -> None:
     service = app[SERVICE]
-    await service.prefill_queue.stop()
     app["loader"].cancel()
+    follower = app.get(FOLLOWER)
+    if follower is not None:
+        await follower.stop()
+    await service.prefill_queue.stop()
     app["pool"].shutdown(wait=True, cancel_futures=True)
     service.close()

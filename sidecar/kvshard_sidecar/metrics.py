@@ -48,6 +48,18 @@ class SidecarMetrics:
         self.prefill_done = Counter(
             "kvshard_sidecar_prefill_blocks", "Blocks computed by background prefill", labels,
             registry=self.registry)
+        self.assigned_clusters = Gauge(
+            "kvshard_sidecar_assigned_clusters", "Item clusters the followed placement assigns to this pod",
+            labels, registry=self.registry)
+        self.warm_clusters = Gauge(
+            "kvshard_sidecar_warm_clusters", "Assigned item clusters whose every item block is stored here",
+            labels, registry=self.registry)
+        self.placement_generation = Gauge(
+            "kvshard_sidecar_placement_generation", "Placement generation this pod follows (0: none yet)",
+            labels, registry=self.registry)
+        self.evicted_blocks = Counter(
+            "kvshard_sidecar_evicted_blocks", "Item blocks dropped because their cluster was moved off this pod",
+            labels, registry=self.registry)
         self.ready = Gauge("kvshard_sidecar_ready", "1 when the model is loaded and requests are served",
                            labels, registry=self.registry)
         self.registry.register(_StoreCollector(model_name, store_stats))

@@ -7,12 +7,14 @@ the blend engine, and is called from one worker thread at a time, so the engine 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvshard.datasets import Dataset, Item, load_dataset
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
@@ -21,7 +23,7 @@ from kvshard_sidecar.blockstore import BlockStore, encode_block
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.exchange import KVExchange
 from kvshard_sidecar.metrics import SidecarMetrics
-from kvshard_sidecar.peers import PeerFetcher, static_holders
+from kvshard_sidecar.peers import HoldersOf, PeerFetcher, PlacementHolders, static_holders
 from kvshard_sidecar.settings import SidecarSettings
 from kvshard_sidecar.validation import Limits, RecommendCall, RequestError
 from kvshard_sidecar.vllm_client import VllmClient
@@ -36,9 +38,12 @@ class SidecarService:
         self.settings = settings
         self.limits = Limits(settings.max_candidates, settings.max_history, settings.max_new_tokens)
         self.peer_token = settings.token()
+        # Following placement, peers are whoever placement and the warm reports name; else --peers.
+        self.holders = PlacementHolders(settings.name) if settings.etcd_endpoints else None
+        holders: HoldersOf | None = self.holders or (static_holders(settings.peers) if settings.peers else None)
         fetcher = None
-        if settings.peers and self.peer_token:
-            fetcher = PeerFetcher(static_holders(settings.peers), self.peer_token, settings.peer_timeout_seconds)
+        if holders is not None and self.peer_token:
+            fetcher = PeerFetcher(holders, self.peer_token, settings.peer_timeout_seconds)
         self.store = BlockStore(settings.memory_bytes, settings.disk_root, settings.disk_bytes, fetcher)
         self.model_name = (settings.model.name if settings.model else "SmolLM2-135M-Instruct")
         self.metrics = SidecarMetrics(self.model_name, self.store.stats)
@@ -49,6 +54,7 @@ class SidecarService:
         self.users: Mapping[str, list[str]] = {}
         self.blend_defaults = BlendSettings(selector=settings.selector,  # type: ignore[arg-type]
                                             ratio=settings.ratio, device=settings.device, dtype=settings.dtype)
+        self.item_block_keys: Mapping[str, str] = {}
         self._dataset: Dataset | None = None
         self._builder: PromptBuilder | None = None
         self._engine: Any = None
@@ -78,6 +84,9 @@ class SidecarService:
         context = int(getattr(loaded.config, "max_position_embeddings", 2048))
         self.context_tokens = min(context, self.settings.max_prompt_tokens or context)
         self.tokenizer = loaded.tokenizer
+        self.item_block_keys = self._item_keys()
+        if self.holders is not None:
+            self.holders.set_item_keys({key: item for item, key in self.item_block_keys.items()})
         self.metrics.ready.labels(self.model_name).set(1)
         self.ready = True
 
@@ -168,17 +177,39 @@ class SidecarService:
             for tier, count in tiers.items():
                 metrics.hit_tokens.labels(name, kind, tier).inc(count)
 
-    def warm_prompt(self, unit: tuple[str, str]) -> int:
-        """Make sure the blocks of one item or one user's history are stored; returns tokens computed."""
-        kind, ident = unit
+    def warm_unit(self, unit: WarmUnit) -> int:
+        """Make sure the blocks of some items or of one user's history are stored (worker thread);
+        returns tokens computed. Items go through one batched prefill: their keys are the same as
+        one by one (a key depends on the segment and its context, never the position)."""
         builder = self.builder
         segments = [builder.system_segment]
-        if kind == "item":
-            segments.append(builder.item_segment(ident))
+        if unit.kind == "item":
+            segments += [builder.item_segment(ident) for ident in unit.idents]
         else:
-            segments.append(builder.history_segment(self.users[ident][-self.settings.max_history:]))
+            segments += [builder.history_segment(self.users[ident][-self.settings.max_history:])
+                         for ident in unit.idents]
         computed: dict[str, int] = self._engine.ensure_blocks(Prompt.of(segments))
         return sum(computed.values())
+
+    def _item_keys(self) -> dict[str, str]:
+        """Item id → the key its block is stored under: the prompt shape ``warm_unit`` uses, so the
+        keys match a request's exactly (1,682 MovieLens items: a few milliseconds of hashing)."""
+        system = self.builder.system_segment
+        return {item: self._engine.block_keys(Prompt.of([system, self.builder.item_segment(item)]))[1]
+                for item in self.items}
+
+    def history_users(self, count: int) -> list[str]:
+        """The ``count`` most active users (longest histories first, then by id) to warm ahead."""
+        ranked = sorted(self.users, key=lambda user: (-len(self.users[user]), user))
+        return ranked[:count]
+
+    def evict_blocks(self, keys: Iterable[str]) -> int:
+        """Drop blocks from memory and disk (blocking: disk I/O); returns how many were held."""
+        return sum(self.store.evict(key) for key in keys)
+
+    def stored(self, keys: Iterable[str]) -> bool:
+        """Whether every key is held by a local tier (memory or disk)."""
+        return all(self.store.contains(key) is not None for key in keys)
 
     def block_for_peer(self, key: str) -> Path | bytes | None:
         """A stored block for a peer: the verified file (sent with sendfile), else encoded bytes.
@@ -207,24 +238,52 @@ def top_logprobs(logits: Any, count: int) -> dict[int, float]:
     return {int(i): float(v) for i, v in zip(indices.tolist(), values.tolist(), strict=True)}
 
 
+@dataclass(frozen=True)
+class WarmUnit:
+    """One unit of background prefill: some items' blocks (computed in one batched pass) or one
+    user's history block. ``wanted`` is asked right before computing (placement may have moved the
+    cluster away meanwhile); ``done`` runs on the event loop after the attempt, success or not, so
+    the caller can check the store for what actually got stored."""
+
+    kind: Literal["item", "user"]
+    idents: tuple[str, ...]
+    wanted: Callable[[], bool] | None = None
+    done: Callable[[WarmUnit], Awaitable[None]] | None = None
+
+
 class PrefillQueue:
-    """Warms blocks in the background, one unit at a time, taking turns with requests."""
+    """Warms blocks in the background, one unit at a time, taking turns with requests.
+
+    Each unit holds the compute semaphore only while it runs, so a request waits for at most one
+    unit. Units run by priority (0 first: placement's clusters and explicit prefill calls; 1:
+    history warmed ahead), then in submission order.
+    """
 
     def __init__(self, service: SidecarService) -> None:
         self._service = service
-        self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        self._queue: asyncio.PriorityQueue[tuple[int, int, WarmUnit]] = asyncio.PriorityQueue()
+        self._order = itertools.count()
+        self._pending_blocks = 0
         self._task: asyncio.Task[None] | None = None
 
     def submit(self, items: Iterable[str], users: Iterable[str]) -> int:
-        for item in items:
-            self._queue.put_nowait(("item", item))
-        for user in users:
-            self._queue.put_nowait(("user", user))
+        """Queue items and users one block each (``POST /v1/blocks/prefill``); returns blocks pending."""
+        return self.submit_units([*(WarmUnit("item", (i,)) for i in items),
+                                  *(WarmUnit("user", (u,)) for u in users)])
+
+    def submit_units(self, units: Iterable[WarmUnit], priority: int = 0) -> int:
+        for unit in units:
+            self._queue.put_nowait((priority, next(self._order), unit))
+            self._pending_blocks += len(unit.idents)
         self._gauge()
-        return self._queue.qsize()
+        return self._pending_blocks
+
+    @property
+    def pending_blocks(self) -> int:
+        return self._pending_blocks
 
     def _gauge(self) -> None:
-        self._service.metrics.prefill_pending.labels(self._service.model_name).set(self._queue.qsize())
+        self._service.metrics.prefill_pending.labels(self._service.model_name).set(self._pending_blocks)
 
     def start(self, loop: asyncio.AbstractEventLoop, pool: Executor, compute: asyncio.Semaphore) -> None:
         self._task = loop.create_task(self._run(pool, compute))
@@ -232,15 +291,22 @@ class PrefillQueue:
     async def _run(self, pool: Executor, compute: asyncio.Semaphore) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            unit = await self._queue.get()
+            _, _, unit = await self._queue.get()
             try:
                 async with compute:
-                    await loop.run_in_executor(pool, self._service.warm_prompt, unit)
-                self._service.metrics.prefill_done.labels(self._service.model_name).inc()
+                    if unit.wanted is None or unit.wanted():
+                        await loop.run_in_executor(pool, self._service.warm_unit, unit)
+                        self._service.metrics.prefill_done.labels(self._service.model_name).inc(len(unit.idents))
             except Exception:
-                log.exception("prefill of %s %s failed", *unit)
+                log.exception("prefill of %s %s failed", unit.kind, ", ".join(unit.idents))
             finally:
+                self._pending_blocks -= len(unit.idents)
                 self._gauge()
+            if unit.done is not None:
+                try:
+                    await unit.done(unit)
+                except Exception:
+                    log.exception("after prefill of %s %s", unit.kind, ", ".join(unit.idents))
 
     async def stop(self) -> None:
         if self._task is not None:

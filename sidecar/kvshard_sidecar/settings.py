@@ -7,6 +7,7 @@ Byte budgets are integers of bytes (as in the CacheShard spec); the peer token c
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -17,6 +18,9 @@ from kvshard.settings import setting
 
 ENV_PREFIX = "KVSHARD_SIDECAR_"
 GiB = 1 << 30
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_SHARD = re.compile(rf"{_DNS_LABEL}/{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_HOST_PORT = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,18 @@ class SidecarSettings:
     vllm_url: str = setting("", "vLLM's base URL when --engine vllm (e.g. http://127.0.0.1:8000)")
     vllm_model: str = setting("", "the model name vLLM serves (--served-model-name); default: the model's name")
     exchange_dir: Path = setting(Path("/dev/shm/kvshard-exchange"), "KV exchange folder shared with vLLM")
+    etcd_endpoints: tuple[str, ...] = setting(
+        (), "etcd host:port list (comma-separated) to follow placement from; empty = static --peers, no placement")
+    cacheshard: str = setting("", "<namespace>/<name> of the CacheShard whose placement this pod follows")
+    advertise_url: str = setting("", "base URL peers and the router reach this sidecar at "
+                                     "(default http://<host>:<port>; in a pod http://$(POD_IP):8100)")
+    etcd_username: str = setting("", "etcd user (env only)", secret=True)
+    etcd_password: str = setting("", "etcd password (env only)", secret=True)
+    warm_history_users: int = setting(
+        0, "users whose history blocks are warmed ahead, most active first (their last max_history items). "
+           "Warming costs one prefill per user at startup and memory/disk for blocks that may never be asked "
+           "for; 0 computes a history block on the user's first request and keeps it (LRU) — the first "
+           "request of each user then pays that prefill")
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "disk_bytes", "max_queue", "max_prompt_tokens"):
@@ -60,10 +76,34 @@ class SidecarSettings:
             raise settings_lib.SettingsError("ratio must be in [0, 1]")
         if self.engine == "vllm" and not self.vllm_url:
             raise settings_lib.SettingsError("--engine vllm needs --vllm-url")
+        if self.warm_history_users < 0:
+            raise settings_lib.SettingsError("warm_history_users must be >= 0")
+        if self.etcd_endpoints:
+            if not self.cacheshard:
+                raise settings_lib.SettingsError("--etcd-endpoints needs --cacheshard <namespace>/<name>")
+            bad = [e for e in self.etcd_endpoints if not _HOST_PORT.fullmatch(e)]
+            if bad:
+                raise settings_lib.SettingsError(f"etcd_endpoints: {', '.join(bad)} is not host:port")
+        if self.cacheshard and not _SHARD.fullmatch(self.cacheshard):
+            raise settings_lib.SettingsError(
+                f"cacheshard: {self.cacheshard!r} is not <namespace>/<name> (lowercase DNS labels)")
+        if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
+            raise settings_lib.SettingsError(f"advertise_url: {self.advertise_url!r} must start with http(s)://")
 
     @property
     def name(self) -> str:
         return self.pod_name or f"{self.host}:{self.port}"
+
+    @property
+    def shard(self) -> tuple[str, str]:
+        """``(namespace, name)`` of the followed CacheShard (``--cacheshard``)."""
+        namespace, _, name = self.cacheshard.partition("/")
+        return namespace, name
+
+    @property
+    def url(self) -> str:
+        """Where others reach this sidecar: ``--advertise-url`` or ``http://<host>:<port>``."""
+        return (self.advertise_url or f"http://{self.host}:{self.port}").rstrip("/")
 
     @property
     def disk_root(self) -> Path | None:

@@ -7,6 +7,7 @@ cached in the user cache folder so a fresh clone reuses it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,28 @@ def container(pod_spec: Mapping[str, Any], name: str) -> Manifest:
 def env(container_spec: Mapping[str, Any]) -> dict[str, Any]:
     """NAME → value (or the valueFrom mapping) of a container."""
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container_spec.get("env", [])}
+
+
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def resolved_env(container_spec: Mapping[str, Any], *, field_refs: Mapping[str, str],
+                 secrets: Mapping[tuple[str, str], str] | None = None) -> dict[str, str]:
+    """The environment the kubelet would give a container: ``fieldRef`` paths from ``field_refs``,
+    ``secretKeyRef`` from ``secrets`` by (secret, key), and ``$(VAR)`` expanded from the variables
+    defined *earlier* in the list (a later or unknown one stays literal, as in Kubernetes)."""
+    out: dict[str, str] = {}
+    for item in container_spec.get("env", []):
+        if "value" in item:
+            out[item["name"]] = _VAR_REF.sub(lambda m: out.get(m[1], m[0]), str(item["value"]))
+            continue
+        source = item["valueFrom"]
+        if "fieldRef" in source:
+            out[item["name"]] = field_refs[source["fieldRef"]["fieldPath"]]
+        else:
+            ref = source["secretKeyRef"]
+            out[item["name"]] = (secrets or {})[(ref["name"], ref["key"])]
+    return out
 
 
 def promtool() -> str | None:

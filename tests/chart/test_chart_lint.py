@@ -22,17 +22,32 @@ def test_helm_lint_strict_passes(helm_bin: Path, case: str) -> None:
     assert "0 chart(s) failed" in out
 
 
+def _notes(helm_bin: Path, *args: str) -> str:
+    out = helm(helm_bin, "install", "kvs", str(CHART), "--namespace", "recommend", "--dry-run=client", *args)
+    return out.split("NOTES:", 1)[1]
+
+
 @pytest.mark.parametrize("case", VALUES_CASES)
 def test_notes_tell_the_user_what_to_do_next(helm_bin: Path, case: str) -> None:
     values = VALUES_CASES[case]
-    out = helm(helm_bin, "install", "kvs", str(CHART), "--namespace", "recommend", "--dry-run=client",
-               *(["-f", str(values)] if values else []))
-    notes = out.split("NOTES:", 1)[1]
+    notes = _notes(helm_bin, *(["-f", str(values)] if values else []))
     assert "kubectl -n recommend wait cacheshard --all --for=condition=Ready" in notes
+    assert 'the CacheShard "recommend/kvs-kvshard-movielens"' in notes, "names the CacheShard to create"
     assert "/v1/recommend" in notes and "/metrics" in notes
     assert "never upgrades" in notes
-    router_on = yaml.safe_load(values.read_text()).get("router", {}).get("enabled") if values else False
-    assert ("router.enabled is false" in notes) is not router_on
+    router_on = yaml.safe_load(values.read_text()).get("router", {}).get("enabled", True) if values else True
+    assert router_on, f"{case}: every tested values file keeps the default router"
+    assert "port-forward service/kvs-kvshard-router 8200" in notes
+    assert "curl -s localhost:8200/v1/recommend" in notes
+    assert "rollout status deployment/kvs-kvshard-router" in notes
+    assert "router.enabled is false" not in notes
+
+
+def test_notes_without_the_router_send_users_to_the_engine_service(helm_bin: Path) -> None:
+    notes = _notes(helm_bin, "--set", "router.enabled=false")
+    assert "router.enabled is false" in notes
+    assert "port-forward service/kvs-kvshard-engine 8100" in notes
+    assert "kvs-kvshard-router" not in notes
 
 
 def test_chart_crds_are_an_exact_copy_of_the_top_level_crds() -> None:
@@ -52,14 +67,16 @@ def test_sync_crds_check_mode_agrees() -> None:
 
 
 @pytest.mark.parametrize("setting", ["operator.replicaCount=2", "engine.vllm.gpuMemoryUtilisation=0.5",
-                                     "unknownTopLevel=true"])
+                                     "unknownTopLevel=true", "cacheShard.namespace=other",
+                                     "router.policies=affinity"])
 def test_values_schema_rejects_an_unknown_key(helm_bin: Path, setting: str) -> None:
     with pytest.raises(HelmError, match="additional properties"):
         render(helm_bin, sets=[setting])
 
 
 @pytest.mark.parametrize("setting", ["engine.sidecar.selector=everything", "etcd.replicas=2",
-                                     "engine.exchangeDir=/tmp/exchange"])
+                                     "engine.exchangeDir=/tmp/exchange", "router.policy=fastest",
+                                     "cacheShard.name=Movies_Prod", "engine.sidecar.warmHistoryUsers=-1"])
 def test_values_schema_rejects_a_bad_value(helm_bin: Path, setting: str) -> None:
     with pytest.raises(HelmError, match="values don't meet the specifications of the schema"):
         render(helm_bin, sets=[setting])

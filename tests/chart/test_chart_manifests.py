@@ -1,5 +1,6 @@
 """Unit tests on the rendered manifests: labels, names, least-privilege RBAC, restricted pods, the
-vLLM connector wiring, the shared /dev/shm, the peer token, autoscaling and network policy."""
+vLLM connector wiring, the shared /dev/shm, the peer token, placement following (router and
+sidecars on one CacheShard), autoscaling and network policy."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from chart_helpers import (
     kind_name,
     pod_specs,
     render,
+    resolved_env,
 )
 
 RECOMMENDED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
@@ -153,7 +155,11 @@ def test_every_container_runs_restricted(rendered: dict[str, list[Manifest]], ca
 # The engine pod: vLLM with the kvshard connector beside the sidecar, sharing /dev/shm.
 # ----------------------------------------------------------------------------------------------
 def _engine(objects: list[Manifest]) -> dict[str, Any]:
-    return dict(find(objects, "StatefulSet", "-engine")["spec"]["template"]["spec"])
+    return _pod(objects, "StatefulSet", "-engine")
+
+
+def _pod(objects: list[Manifest], kind: str, name_suffix: str) -> dict[str, Any]:
+    return dict(find(objects, kind, name_suffix)["spec"]["template"]["spec"])
 
 
 def test_vllm_container_loads_the_kvshard_connector(rendered: dict[str, list[Manifest]]) -> None:
@@ -226,11 +232,17 @@ def test_an_existing_peer_token_secret_replaces_the_generated_one(rendered: dict
     assert volume["secret"]["secretName"] == "kvshard-peer-token"
 
 
-def test_sidecar_peers_are_the_engine_pods_by_stable_dns(rendered: dict[str, list[Manifest]]) -> None:
-    peers = env(container(_engine(rendered["default"]), "sidecar"))["KVSHARD_SIDECAR_PEERS"].split(",")
+def test_static_sidecar_peers_only_when_asked_for_by_stable_dns(rendered: dict[str, list[Manifest]],
+                                                                helm_bin: Path) -> None:
+    for case in VALUES_CASES:
+        assert "KVSHARD_SIDECAR_PEERS" not in env(container(_engine(rendered[case]), "sidecar")), (
+            f"{case}: sidecars follow placement, a static peer list is only rendered on request")
+    asked = env(container(_engine(render(helm_bin, sets=["engine.peers=true"])), "sidecar"))
+    peers = asked["KVSHARD_SIDECAR_PEERS"].split(",")
     assert peers == [f"http://kvs-kvshard-engine-{i}.kvs-kvshard-engine-peers.recommend.svc:8100" for i in range(2)]
-    autoscaled = env(container(_engine(rendered["autoscaling"]), "sidecar"))["KVSHARD_SIDECAR_PEERS"]
-    assert len(autoscaled.split(",")) == 6, "autoscaling lists every pod up to maxReplicas"
+    autoscaled = render(helm_bin, VALUES_CASES["autoscaling"], sets=["engine.peers=true"])
+    assert len(env(container(_engine(autoscaled), "sidecar"))["KVSHARD_SIDECAR_PEERS"].split(",")) == 6, (
+        "autoscaling lists every pod up to maxReplicas")
 
 
 def test_engine_readiness_waits_for_the_model_and_vllm(rendered: dict[str, list[Manifest]]) -> None:
@@ -241,18 +253,21 @@ def test_engine_readiness_waits_for_the_model_and_vllm(rendered: dict[str, list[
         "/models/model", "HuggingFaceTB/SmolLM2-135M-Instruct", "main"]
 
 
-def test_container_settings_are_real_settings_of_the_commands(rendered: dict[str, list[Manifest]]) -> None:
+@pytest.mark.parametrize("case", VALUES_CASES)
+def test_container_settings_are_real_settings_of_the_commands(rendered: dict[str, list[Manifest]],
+                                                              case: str) -> None:
     from kvshard_operator.settings import Settings as OperatorSettings
+    from kvshard_router.settings import RouterSettings
     from kvshard_sidecar.settings import SidecarSettings
 
-    sidecar_fields = {f"KVSHARD_SIDECAR_{f.name.upper()}" for f in dataclasses.fields(SidecarSettings)}
-    operator_fields = {f"KVSHARD_OPERATOR_{f.name.upper()}" for f in dataclasses.fields(OperatorSettings)}
-    pod = _engine(rendered["default"])
-    used = {k for k in env(container(pod, "sidecar")) if k.startswith("KVSHARD_SIDECAR_")}
-    assert used and used <= sidecar_fields, used - sidecar_fields
-    operator = container(find(rendered["default"], "Deployment", "-operator")["spec"]["template"]["spec"], "operator")
-    used = {k for k in env(operator) if k.startswith("KVSHARD_OPERATOR_")}
-    assert used and used <= operator_fields, used - operator_fields
+    objects = rendered[case]
+    workloads = [(_engine(objects), "sidecar", "KVSHARD_SIDECAR_", SidecarSettings),
+                 (_pod(objects, "Deployment", "-operator"), "operator", "KVSHARD_OPERATOR_", OperatorSettings),
+                 (_pod(objects, "Deployment", "-router"), "router", "KVSHARD_ROUTER_", RouterSettings)]
+    for pod, name, prefix, settings in workloads:
+        fields = {f"{prefix}{f.name.upper()}" for f in dataclasses.fields(settings)}
+        used = {k for k in env(container(pod, name)) if k.startswith(prefix)}
+        assert used and used <= fields, (name, used - fields)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,7 +320,152 @@ def test_services_select_pods_that_exist(rendered: dict[str, list[Manifest]]) ->
             assert any(selector <= labels.items() for labels in pod_labels), kind_name(service)
 
 
-def test_router_is_off_by_default_because_it_does_not_exist_yet(rendered: dict[str, list[Manifest]]) -> None:
-    assert not [o for o in rendered["default"] if o["metadata"]["name"].endswith("-router")]
-    router = find(rendered["autoscaling"], "Deployment", "-router")
-    assert container(router["spec"]["template"]["spec"], "router")["args"] == ["router", "serve"]
+# ----------------------------------------------------------------------------------------------
+# Placement following: the router and every sidecar follow one CacheShard through etcd.
+# ----------------------------------------------------------------------------------------------
+POD_IP = "10.244.1.7"
+ENGINE_POD = {"metadata.name": "kvs-kvshard-engine-1", "status.podIP": POD_IP}
+ETCD_AUTH = {("kvshard-etcd-auth", "username"): "kvshard", ("kvshard-etcd-auth", "password"): "s3cret"}
+
+
+def _router_settings(objects: list[Manifest]) -> Any:
+    from kvshard import settings as settings_lib
+    from kvshard_router.settings import ENV_PREFIX, RouterSettings
+
+    environ = resolved_env(container(_pod(objects, "Deployment", "-router"), "router"), field_refs={},
+                           secrets=ETCD_AUTH)
+    return settings_lib.from_sources(RouterSettings, None, ENV_PREFIX, environ)
+
+
+def _sidecar_settings(objects: list[Manifest]) -> Any:
+    from kvshard import settings as settings_lib
+    from kvshard_sidecar.settings import ENV_PREFIX, SidecarSettings
+
+    environ = resolved_env(container(_engine(objects), "sidecar"), field_refs=ENGINE_POD, secrets=ETCD_AUTH)
+    return settings_lib.from_sources(SidecarSettings, None, ENV_PREFIX, environ)
+
+
+def test_router_is_on_by_default_and_follows_the_example_cacheshard(rendered: dict[str, list[Manifest]]) -> None:
+    router = find(rendered["default"], "Deployment", "-router")
+    spec = container(router["spec"]["template"]["spec"], "router")
+    assert spec["args"] == ["router", "serve"]
+    assert "KVSHARD_ROUTER_ENGINE_SERVICE" not in env(spec)
+    # The CacheShard the example renders (same release, same namespace) is the one the router follows.
+    example = find(rendered["autoscaling"], "CacheShard")
+    shard = f"{example['metadata']['namespace']}/{example['metadata']['name']}"
+    assert shard == "recommend/kvs-kvshard-movielens"
+    settings = _router_settings(rendered["default"])
+    assert settings.cacheshard == shard
+    assert settings.shard() == ("recommend", "kvs-kvshard-movielens")
+    assert list(settings.etcd_endpoints) == example["spec"]["etcd"]["endpoints"]
+    assert settings.host == "0.0.0.0" and settings.port == 8200 and settings.policy == "affinity"
+    assert settings.etcd_username == "" and settings.etcd_password == ""
+    probes = {p: spec[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe")}
+    assert probes == {"livenessProbe": "/healthz", "readinessProbe": "/readyz"}
+
+
+def test_engine_sidecars_follow_the_same_cacheshard_and_advertise_their_pod_ip(
+        rendered: dict[str, list[Manifest]]) -> None:
+    for case in VALUES_CASES:
+        router, sidecar = _router_settings(rendered[case]), _sidecar_settings(rendered[case])
+        assert sidecar.cacheshard == router.cacheshard == "recommend/kvs-kvshard-movielens", case
+        assert sidecar.etcd_endpoints == router.etcd_endpoints, case
+    sidecar_env = env(container(_engine(rendered["default"]), "sidecar"))
+    assert sidecar_env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert sidecar_env["KVSHARD_SIDECAR_ADVERTISE_URL"] == "http://$(POD_IP):8100"
+    names = list(sidecar_env)
+    assert names.index("POD_IP") < names.index("KVSHARD_SIDECAR_ADVERTISE_URL"), (
+        "$(POD_IP) expands only from a variable defined earlier in the list")
+    settings = _sidecar_settings(rendered["default"])
+    assert settings.etcd_endpoints == ("kvs-kvshard-etcd.recommend.svc:2379",)
+    assert settings.url == f"http://{POD_IP}:8100", "the URL others reach this sidecar at is its pod IP"
+    assert settings.name == "kvs-kvshard-engine-1", "placement assigns clusters by pod name"
+    assert settings.warm_history_users == 0
+    assert settings.etcd_username == "" and settings.etcd_password == ""
+
+
+def test_one_cacheshard_name_for_example_router_and_sidecars(helm_bin: Path) -> None:
+    objects = render(helm_bin, sets=["cacheShard.name=movies-prod", "exampleCacheShard.enabled=true",
+                                     "router.policy=least-loaded", "engine.sidecar.warmHistoryUsers=50"],
+                     namespace="shop")
+    assert find(objects, "CacheShard")["metadata"]["name"] == "movies-prod"
+    router, sidecar = _router_settings(objects), _sidecar_settings(objects)
+    assert router.cacheshard == sidecar.cacheshard == "shop/movies-prod"
+    assert router.policy == "least-loaded"
+    assert sidecar.warm_history_users == 50
+
+
+def test_external_etcd_credentials_come_from_the_secret_never_the_pod_spec(
+        rendered: dict[str, list[Manifest]]) -> None:
+    objects = rendered["external-etcd"]
+    endpoints = ("etcd-0.etcd.infra.svc:2379", "etcd-1.etcd.infra.svc:2379", "etcd-2.etcd.infra.svc:2379")
+    for spec, prefix in ((container(_pod(objects, "Deployment", "-router"), "router"), "KVSHARD_ROUTER_"),
+                         (container(_engine(objects), "sidecar"), "KVSHARD_SIDECAR_")):
+        for key in ("username", "password"):
+            assert env(spec)[f"{prefix}ETCD_{key.upper()}"] == {
+                "secretKeyRef": {"name": "kvshard-etcd-auth", "key": key}}, (prefix, key)
+    for settings in (_router_settings(objects), _sidecar_settings(objects)):
+        assert settings.etcd_endpoints == endpoints
+        assert (settings.etcd_username, settings.etcd_password) == ("kvshard", "s3cret")
+    assert find(objects, "CacheShard")["spec"]["etcd"]["secretRef"] == {"name": "kvshard-etcd-auth"}
+    for case in ("default", "autoscaling"):  # bundled etcd: no authentication, no Secret reference
+        for spec in (container(_engine(rendered[case]), "sidecar"),
+                     container(_pod(rendered[case], "Deployment", "-router"), "router")):
+            assert not [k for k in env(spec) if k.endswith(("_ETCD_USERNAME", "_ETCD_PASSWORD"))], case
+
+
+def test_router_off_renders_no_router_objects_and_the_sidecars_still_follow_placement(helm_bin: Path) -> None:
+    objects = render(helm_bin, sets=["router.enabled=false"])
+    assert not [kind_name(o) for o in objects if o["metadata"]["name"].endswith("-router")]
+    assert _sidecar_settings(objects).cacheshard == "recommend/kvs-kvshard-movielens"
+
+
+def test_router_servicemonitor_keeps_the_routers_own_pod_label(rendered: dict[str, list[Manifest]]) -> None:
+    monitor = find(rendered["default"], "ServiceMonitor", "-router")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True, "else `pod` (the answering engine pod) becomes `exported_pod`"
+    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    service = find(rendered["default"], "Service", "-router")
+    assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
+    for name in ("-engine", "-operator"):  # their samples carry no `pod` label of their own
+        for other in find(rendered["default"], "ServiceMonitor", name)["spec"]["endpoints"]:
+            assert not other.get("honorLabels"), name
+
+
+def _admits(policy: Manifest, pod_labels: dict[str, str], port: str) -> bool:
+    """Whether ``policy``'s ingress lets a pod with ``pod_labels`` (same namespace) in on ``port``."""
+    from kvshard_operator import selectors
+
+    for rule in policy["spec"]["ingress"]:
+        peers = [p for p in rule["from"] if set(p) == {"podSelector"}]
+        if any(selectors.matches(p["podSelector"], pod_labels) for p in peers) and any(
+                p["port"] == port for p in rule["ports"]):
+            return True
+    return False
+
+
+def _pod_labels(objects: list[Manifest], kind: str, name_suffix: str) -> dict[str, str]:
+    return dict(find(objects, kind, name_suffix)["spec"]["template"]["metadata"]["labels"])
+
+
+def test_network_policy_lets_router_and_sidecars_reach_what_they_follow(rendered: dict[str, list[Manifest]]) -> None:
+    from kvshard_operator import selectors
+
+    objects = rendered["default"]
+    router = _pod_labels(objects, "Deployment", "-router")
+    engine = _pod_labels(objects, "StatefulSet", "-engine")
+    operator = _pod_labels(objects, "Deployment", "-operator")
+    etcd_policy = find(objects, "NetworkPolicy", "-etcd")
+    engine_policy = find(objects, "NetworkPolicy", "-engine")
+    assert selectors.matches(etcd_policy["spec"]["podSelector"], _pod_labels(objects, "StatefulSet", "-etcd"))
+    assert selectors.matches(engine_policy["spec"]["podSelector"], engine)
+    # The named ports the rules admit are the ports the containers serve.
+    etcd_ports = {p["name"] for p in container(_pod(objects, "StatefulSet", "-etcd"), "etcd")["ports"]}
+    assert "client" in etcd_ports
+    assert "http" in {p["name"] for p in container(_engine(objects), "sidecar")["ports"]}
+    for who, labels in (("router", router), ("engine", engine), ("operator", operator)):
+        assert _admits(etcd_policy, labels, "client"), f"{who} pods must reach etcd's client port"
+    assert _admits(engine_policy, router, "http"), "the router forwards to the sidecar API"
+    assert _admits(engine_policy, engine, "http"), "peer sidecars fetch blocks from each other"
+    assert not _admits(engine_policy, operator, "http")
+    assert not _admits(etcd_policy, router, "peer")

@@ -26,6 +26,10 @@ from chart_helpers import (
 )
 
 # What each values file renders (kind/name, release "kvs"); a change here is a change users see.
+ROUTER = {
+    "Deployment/kvs-kvshard-router", "Service/kvs-kvshard-router", "ServiceAccount/kvs-kvshard-router",
+    "PodDisruptionBudget/kvs-kvshard-router", "ServiceMonitor/kvs-kvshard-router",
+}
 EXPECTED = {
     "default": {
         "ClusterRole/kvs-kvshard-operator", "ClusterRoleBinding/kvs-kvshard-operator",
@@ -37,27 +41,25 @@ EXPECTED = {
         "ServiceAccount/kvs-kvshard-engine", "ServiceAccount/kvs-kvshard-operator",
         "ServiceMonitor/kvs-kvshard-engine", "ServiceMonitor/kvs-kvshard-operator",
         "StatefulSet/kvs-kvshard-engine", "StatefulSet/kvs-kvshard-etcd",
-    },
+    } | ROUTER,
 }
 EXPECTED["external-etcd"] = (EXPECTED["default"] - {
     "NetworkPolicy/kvs-kvshard-etcd", "Secret/kvs-kvshard-peer-token", "Service/kvs-kvshard-etcd",
     "Service/kvs-kvshard-etcd-peers", "StatefulSet/kvs-kvshard-etcd",
 }) | {"Role/kvs-kvshard-operator", "RoleBinding/kvs-kvshard-operator", "CacheShard/kvs-kvshard-movielens"}
 EXPECTED["autoscaling"] = EXPECTED["default"] | {
-    "HorizontalPodAutoscaler/kvs-kvshard-engine", "Deployment/kvs-kvshard-router", "Service/kvs-kvshard-router",
-    "ServiceAccount/kvs-kvshard-router", "PodDisruptionBudget/kvs-kvshard-router",
-    "ServiceMonitor/kvs-kvshard-router", "CacheShard/kvs-kvshard-movielens",
+    "HorizontalPodAutoscaler/kvs-kvshard-engine", "CacheShard/kvs-kvshard-movielens",
 }
 EXPECTED["autoscaling-keda"] = EXPECTED["default"] | {"ScaledObject/kvs-kvshard-engine"}
 EXPECTED["monitoring-off"] = (EXPECTED["default"] - {
     "ConfigMap/kvs-kvshard-dashboard", "PrometheusRule/kvs-kvshard", "ServiceMonitor/kvs-kvshard-engine",
-    "ServiceMonitor/kvs-kvshard-operator", "NetworkPolicy/kvs-kvshard-engine", "NetworkPolicy/kvs-kvshard-etcd",
-    "PodDisruptionBudget/kvs-kvshard-engine",
+    "ServiceMonitor/kvs-kvshard-operator", "ServiceMonitor/kvs-kvshard-router", "NetworkPolicy/kvs-kvshard-engine",
+    "NetworkPolicy/kvs-kvshard-etcd", "PodDisruptionBudget/kvs-kvshard-engine",
 }) | {"PodDisruptionBudget/kvs-kvshard-etcd"}  # three etcd members: drained one at a time
 
 EXPECTED["kind"] = EXPECTED["default"] - {
     "ConfigMap/kvs-kvshard-dashboard", "PrometheusRule/kvs-kvshard", "ServiceMonitor/kvs-kvshard-engine",
-    "ServiceMonitor/kvs-kvshard-operator",
+    "ServiceMonitor/kvs-kvshard-operator", "ServiceMonitor/kvs-kvshard-router",
 }
 
 

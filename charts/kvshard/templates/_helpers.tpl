@@ -86,6 +86,44 @@ seccompProfile:
 {{- end }}
 {{- end }}
 
+{{/*
+The followed CacheShard's name: cacheShard.name, or the example CacheShard's <fullname>-movielens.
+One name for the example, the router and the sidecars, so they can never follow different shards.
+*/}}
+{{- define "kvshard.cacheShardName" -}}
+{{- default (include "kvshard.componentName" (dict "ctx" . "component" "movielens")) .Values.cacheShard.name }}
+{{- end }}
+
+{{/* The followed CacheShard as <release namespace>/<name> (KVSHARD_ROUTER_/KVSHARD_SIDECAR_CACHESHARD). */}}
+{{- define "kvshard.cacheShard" -}}
+{{- printf "%s/%s" .Release.Namespace (include "kvshard.cacheShardName" .) }}
+{{- end }}
+
+{{/*
+etcd env of a kvshard component: endpoints, the followed CacheShard and, for an external etcd
+with etcd.external.secretName, username and password from that Secret (never in the pod spec).
+Call with (dict "ctx" $ "prefix" "KVSHARD_ROUTER_"); renders list items at column 0.
+*/}}
+{{- define "kvshard.etcdEnv" -}}
+{{- $v := .ctx.Values }}
+- name: {{ .prefix }}ETCD_ENDPOINTS
+  value: {{ include "kvshard.etcdEndpoints" .ctx | fromYamlArray | join "," | quote }}
+- name: {{ .prefix }}CACHESHARD
+  value: {{ include "kvshard.cacheShard" .ctx | quote }}
+{{- if and $v.etcd.external.enabled $v.etcd.external.secretName }}
+- name: {{ .prefix }}ETCD_USERNAME
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.etcd.external.secretName }}
+      key: username
+- name: {{ .prefix }}ETCD_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.etcd.external.secretName }}
+      key: password
+{{- end }}
+{{- end }}
+
 {{/* The Secret holding the sidecars' shared peer token. */}}
 {{- define "kvshard.peerTokenSecretName" -}}
 {{- default (include "kvshard.componentName" (dict "ctx" . "component" "peer-token")) .Values.engine.peerToken.existingSecret }}

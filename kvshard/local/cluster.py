@@ -1,0 +1,448 @@
+"""Everything a kvshard cluster runs, on loopback on one machine: ``LocalCluster``.
+
+The parts are the real ones, started as processes through the ``kvshard`` CLI exactly as the
+chart starts them in pods — etcd, a Kubernetes API (kmock's emulator, :mod:`kvshard.local.emulator`),
+the operator, N sidecars with the embedded engine, Prometheus and the router — so what works here
+works for the same reasons in a cluster. Only the kubelet is ours (:mod:`kvshard.local.kubelet`):
+it turns sidecar processes into ready/not-ready pods and restarts crashed ones.
+
+    with LocalCluster(LocalClusterSettings(pods=2)) as cluster:
+        cluster.wait_ready(timeout=300)
+        urllib.request.urlopen(cluster.router_url + "/v1/placement")
+
+Every port is a free one, every process is its own process group logging to ``<run>/logs``, and
+``stop()`` stops them all (twice is harmless). The CacheShard is applied once every sidecar is
+ready, so the first placement generation already spans every pod instead of growing pod by pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import yaml
+
+from kvshard import etcd_store
+from kvshard import placement_schema as ps
+from kvshard.local import manifests
+from kvshard.local.kubeapi import CACHESHARDS, KubeApi, condition
+from kvshard.local.kubelet import Kubelet, PodProcess
+from kvshard.local.settings import LocalClusterSettings
+from kvshard.processes import ManagedProcess, ProcessStartError, http_ok
+from kvshard.testing_servers import EtcdServer, PrometheusServer, free_port
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+STATE_FILE = "cluster.json"
+LOCK_FILE = "up.lock"
+
+
+class ClusterAlreadyRunningError(RuntimeError):
+    """Another local cluster holds the run folder."""
+
+
+class ClusterStartError(RuntimeError):
+    """A part of the cluster did not come up; the message names it and carries its log's tail."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """One process of the cluster as ``cluster.json`` and ``kvshard up``'s table show it."""
+
+    name: str
+    pid: int
+    url: str
+    log: str
+    group: bool
+    """True when the process leads its own process group (kill the group, not just the pid)."""
+    start_time: int
+    """Kernel start time (clock ticks since boot), so a recycled pid is never mistaken for it."""
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat``; ``None`` when no such process runs (a zombie, which has
+    exited and only waits for its parent to read its status, counts as not running)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _cli(*words: str) -> list[str]:
+    return [sys.executable, "-m", "kvshard.cli", *words]
+
+
+def _answers(url: str) -> bool:
+    """True once something answers HTTP at ``url`` (any status: the server listens)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1.0):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _pid(server: EtcdServer | PrometheusServer) -> int | None:
+    process = getattr(server, "_process", None)  # the test servers keep their Popen private
+    return None if process is None else int(process.pid)
+
+
+class LocalCluster:
+    """etcd, a Kubernetes API, the operator, N sidecars, Prometheus and the router on loopback."""
+
+    def __init__(self, settings: LocalClusterSettings | None = None, **overrides: Any) -> None:
+        base = settings or LocalClusterSettings()
+        self.settings = dataclasses.replace(base, **overrides) if overrides else base
+        self.run_dir = self.settings.run_dir
+        self.logs_dir = self.run_dir / "logs"
+        self.namespace = self.settings.namespace
+        self._generated = self.settings.cacheshard is None
+        self._manifest = manifests.load_cacheshard(self.settings.cacheshard)
+        self.name = str(self._manifest["metadata"]["name"])
+        self.pod_names = [f"engine-{i}" for i in range(self.settings.pods)]
+        self._ports = {name: free_port() for name in ("kube", "operator_metrics", "operator_health", "router")}
+        self.kube_url = f"http://{HOST}:{self._ports['kube']}"
+        self.operator_metrics_url = f"http://{HOST}:{self._ports['operator_metrics']}/metrics"
+        self.operator_health_url = f"http://{HOST}:{self._ports['operator_health']}/healthz"
+        self.router_url = f"http://{HOST}:{self._ports['router']}"
+        self.sidecar_urls = {pod: f"http://{HOST}:{free_port()}" for pod in self.pod_names}
+        self.prometheus_url = ""
+        self.etcd_endpoint = ""
+        self.api = KubeApi(self.kube_url)
+        self._etcd: EtcdServer | None = None
+        self._prometheus: PrometheusServer | None = None
+        self._processes: dict[str, ManagedProcess] = {}
+        self._kubelet: Kubelet | None = None
+        self._lock: IO[str] | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Bring every part up, in dependency order; on any failure stop what was started."""
+        self.acquire()
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        self._started = True
+        self._fresh_run_dir()
+
+        log.info("starting etcd")
+        self._etcd = EtcdServer(data_dir=self.run_dir / "etcd")
+        self._etcd.start()
+        self.etcd_endpoint = self._etcd.endpoint
+        self._link_log("etcd", self.run_dir / "etcd.log")
+
+        log.info("starting the Kubernetes API emulator on %s", self.kube_url)
+        self._spawn("kube-api", [sys.executable, "-m", "kvshard.local.emulator", "--port", str(self._ports["kube"]),
+                                 "--kubeconfig", str(self.kubeconfig), "--namespace", self.namespace],
+                    ready_url=self.kube_url + "/version", timeout=60)
+
+        log.info("starting the operator")
+        operator_env = {
+            "KUBECONFIG": str(self.kubeconfig),
+            # clusters follow co-occurrence in user histories (built-in catalogs carry them)
+            "KVSHARD_OPERATOR_COOCCURRENCE_PERCENT": "50",
+            "KVSHARD_OPERATOR_POD_SYNC_SECONDS": "1",
+            "KVSHARD_OPERATOR_REBALANCE_CHECK_SECONDS": str(min(5, self.settings.rebalance_interval_seconds)),
+            "KVSHARD_OPERATOR_RETRY_BACKOFF_MAX": "10",
+        }
+        operator = self._spawn("operator", _cli("operator", "run", "--metrics-port",
+                                                str(self._ports["operator_metrics"]),
+                                                "--liveness-endpoint", self.operator_health_url),
+                               ready_url=self.operator_health_url, env=operator_env, wait=False)
+
+        log.info("starting %d sidecars", self.settings.pods)
+        token_file = self.run_dir / "peer-token"
+        token_file.write_text(secrets.token_hex(16))
+        token_file.chmod(0o600)
+        pods = [PodProcess(pod, self._sidecar(pod, token_file), url) for pod, url in self.sidecar_urls.items()]
+        self._kubelet = Kubelet(self.api, self.namespace, pods)
+        for pod in pods:
+            pod.process.start(wait=False)
+        self._kubelet.start()
+
+        log.info("starting Prometheus")
+        config = self.run_dir / "prometheus.yml"
+        config.write_text(yaml.safe_dump(manifests.prometheus_config(
+            scrape_interval_seconds=self.settings.scrape_interval_seconds,
+            sidecars={pod: url.split("//", 1)[1] for pod, url in self.sidecar_urls.items()},
+            router=self.router_url.split("//", 1)[1],
+            operator=f"{HOST}:{self._ports['operator_metrics']}")))
+        self._prometheus = PrometheusServer(config, data_dir=self.run_dir / "prometheus")
+        self._prometheus.start()
+        self.prometheus_url = self._prometheus.url
+        self._link_log("prometheus", self._prometheus.log_path)
+
+        log.info("starting the router on %s", self.router_url)
+        router = self._spawn("router", _cli("router", "serve", "--host", HOST, "--port", str(self._ports["router"]),
+                                            "--etcd-endpoints", self.etcd_endpoint,
+                                            "--cacheshard", f"{self.namespace}/{self.name}",
+                                            "--policy", self.settings.router_policy),
+                             ready_url=self.router_url + "/readyz", wait=False)
+        self._wait(lambda: _answers(self.router_url + "/readyz"), 60, "the router to listen", router)
+
+        self._wait(lambda: http_ok(self.operator_health_url), 120, "the operator's liveness probe", operator)
+        log.info("waiting for %d sidecars to load the model", self.settings.pods)
+        self._wait(self._kubelet.all_ready, self.settings.start_timeout_seconds, "every sidecar pod to be Ready")
+
+        manifest = manifests.local_cacheshard(
+            self._manifest, namespace=self.namespace, etcd_endpoint=self.etcd_endpoint,
+            prometheus_url=self.prometheus_url, generated=self._generated, dataset=self.settings.dataset,
+            clusters=self.settings.clusters_per_pod * self.settings.pods,
+            rebalance_interval_seconds=self.settings.rebalance_interval_seconds)
+        (self.run_dir / "cacheshard.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+        self.api.create(CACHESHARDS.format(ns=self.namespace), manifest)
+        log.info("applied CacheShard %s/%s (%s clusters)", self.namespace, self.name, manifest["spec"].get("clusters"))
+
+    def stop(self) -> None:
+        """Stop everything this cluster started (process groups, no orphans); idempotent."""
+        processes = list(self._processes.items())
+        self._processes = {}
+        if self._kubelet is not None:
+            self._kubelet.stop()  # first, or it would restart the sidecars we stop
+            processes += [(pod.name, pod.process) for pod in self._kubelet.pods.values()]
+            self._kubelet = None
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(processes))) as pool:
+            for future in [pool.submit(p.stop, 10.0) for name, p in processes if name != "kube-api"]:
+                future.result()
+        if self._prometheus is not None:
+            self._prometheus.stop()
+            self._prometheus = None
+        for name, process in processes:
+            if name == "kube-api":  # last but etcd: the operator talks to it while stopping
+                process.stop()
+        if self._etcd is not None:
+            self._etcd.stop()
+            self._etcd = None
+        if self._started:
+            log.info("local cluster in %s stopped", self.run_dir)
+            self._started = False
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------- readiness
+
+    def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] = print) -> None:
+        """Wait until the CacheShard is Ready, the router's ``/readyz`` is 200 and every pod of the
+        current generation has warmed all its clusters; ``progress`` gets a line whenever the
+        picture changes. Raises :class:`TimeoutError` naming what is still missing."""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while True:
+            missing, picture = self._readiness()
+            line = "; ".join(missing) + (f" | {picture}" if picture else "")
+            if line != last:
+                progress(f"waiting: {line}" if missing else f"ready: {picture or 'all parts up'}")
+                last = line
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"local cluster not ready after {timeout:.0f} s: {line}")
+            self.check_alive()
+            time.sleep(1.0)
+
+    def _readiness(self) -> tuple[list[str], str]:
+        missing: list[str] = []
+        ready = condition(self.cacheshard(), "Ready")
+        if ready.get("status") != "True":
+            missing.append(f"CacheShard Ready={ready.get('status', '?')} ({ready.get('reason', 'not reconciled')})")
+        if not http_ok(self.router_url + "/readyz"):
+            missing.append("router /readyz")
+        picture = ""
+        placement, reports = self.warm_reports()
+        if placement is None:
+            missing.append("no placement in etcd")
+        else:
+            parts = []
+            for pod in placement.pods:
+                want = len(placement.clusters_of(pod))
+                report = reports.get(pod)
+                current = report is not None and report.generation == placement.generation
+                warm = len(report.clusters) if report is not None and current else 0
+                if not current or report is None or report.warming:
+                    missing.append(f"{pod} warming")
+                parts.append(f"{pod} {warm}/{want}")
+            picture = f"generation {placement.generation}: " + ", ".join(parts) + " clusters warm"
+        return missing, picture
+
+    def check_alive(self) -> None:
+        """Raise :class:`ClusterStartError` if a process other than a sidecar exited (the kubelet
+        restarts sidecars; nothing restarts the operator, the router or the API)."""
+        for name, process in self._processes.items():
+            if not process.running:
+                raise ClusterStartError(f"{name} exited:\n{process.log_tail()}")
+
+    # ------------------------------------------------------------------------------- observing
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.run_dir / "kubeconfig"
+
+    def cacheshard(self) -> dict[str, Any]:
+        """The CacheShard object, status included, as the API holds it ({} before it is applied)."""
+        obj = self.api.get(CACHESHARDS.format(ns=self.namespace) + f"/{self.name}")
+        return dict(obj or {})
+
+    def warm_reports(self) -> tuple[ps.Placement | None, dict[str, ps.WarmReport]]:
+        """The current placement and every pod's warm report, from etcd."""
+
+        async def read() -> tuple[ps.Placement | None, dict[str, ps.WarmReport]]:
+            async with etcd_store.EtcdStore([self.etcd_endpoint], timeout=2.0, attempts=1) as store:
+                return (await store.read_current(self.namespace, self.name),
+                        await store.read_warm(self.namespace, self.name))
+
+        return asyncio.run(read())
+
+    def pod_ready(self, pod: str) -> bool:
+        """The pod's ``Ready`` condition as the API holds it."""
+        obj = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
+        return condition(obj, "Ready").get("status") == "True"
+
+    def kill_pod(self, name: str) -> None:
+        """SIGKILL the pod's sidecar (a crash); the kubelet marks it not ready and restarts it."""
+        if self._kubelet is None:
+            raise RuntimeError("the cluster is not running")
+        if name not in self._kubelet.pods:
+            raise KeyError(f"no pod {name!r} (pods: {', '.join(self._kubelet.pods)})")
+        self._kubelet.kill(name)
+
+    def restarts(self, pod: str) -> int:
+        return self._kubelet.pods[pod].restarts if self._kubelet is not None else 0
+
+    def processes(self) -> list[ProcessInfo]:
+        """Every process of the cluster that runs now, with its URL and log."""
+        rows: list[tuple[str, int | None, str, Path, bool]] = []
+        if self._etcd is not None:
+            rows.append(("etcd", _pid(self._etcd), self._etcd.url, self.logs_dir / "etcd.log", False))
+        urls = {"kube-api": self.kube_url, "operator": self.operator_metrics_url, "router": self.router_url}
+        for name, process in self._processes.items():
+            rows.append((name, process.pid, urls.get(name, ""), process.log_path, True))
+        if self._kubelet is not None:
+            for pod in self._kubelet.pods.values():
+                rows.append((pod.name, pod.process.pid, pod.url, pod.process.log_path, True))
+        if self._prometheus is not None:
+            rows.append(("prometheus", _pid(self._prometheus), self._prometheus.url,
+                         self.logs_dir / "prometheus.log", False))
+        infos = []
+        for name, pid, url, log_path, group in rows:
+            started = process_start_time(pid) if pid is not None else None
+            if pid is not None and started is not None:
+                infos.append(ProcessInfo(name, pid, url, str(log_path), group, started))
+        return infos
+
+    # ------------------------------------------------------------------------------- helpers
+
+    def acquire(self) -> None:
+        """Hold the run folder (an flock the kernel releases when this process dies), or raise
+        :class:`ClusterAlreadyRunningError` naming the ``kvshard up`` that holds it."""
+        if self._lock is not None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        lock = (self.run_dir / LOCK_FILE).open("a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            owner = ""
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                owner = f" (kvshard up pid {json.loads((self.run_dir / STATE_FILE).read_text())['up_pid']})"
+            raise ClusterAlreadyRunningError(
+                f"a local cluster already runs in {self.run_dir}{owner}; stop it with "
+                f"`kvshard down --dir {self.run_dir}` or choose another --dir") from None
+        self._lock = lock
+
+    def _fresh_run_dir(self) -> None:
+        """Forget the previous run's state (etcd data, TSDB, logs); keep the sidecars' disk blocks,
+        which stay valid across runs and make the next warm-up a disk read."""
+        for name in ("logs", "etcd", "prometheus"):
+            shutil.rmtree(self.run_dir / name, ignore_errors=True)
+        for name in ("etcd.log", "kubeconfig", "prometheus.yml", "cacheshard.yaml"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        self.logs_dir.mkdir(parents=True)
+
+    def _link_log(self, name: str, target: Path) -> None:
+        link = self.logs_dir / f"{name}.log"
+        if not link.exists():
+            link.symlink_to(target)
+
+    def _spawn(self, name: str, command: list[str], *, ready_url: str, env: dict[str, str] | None = None,
+               timeout: float = 60.0, wait: bool = True) -> ManagedProcess:
+        process = ManagedProcess(command, self.logs_dir / f"{name}.log", ready_url,
+                                 env={**os.environ, **(env or {})}, start_timeout=timeout)
+        self._processes[name] = process
+        try:
+            process.start(wait=wait)
+        except ProcessStartError as exc:
+            raise ClusterStartError(f"{name} did not start: {exc}") from None
+        return process
+
+    def _sidecar(self, pod: str, token_file: Path) -> ManagedProcess:
+        url = self.sidecar_urls[pod]
+        threads = str(self.settings.threads)
+        command = _cli("sidecar", "serve", "--host", HOST, "--port", url.rsplit(":", 1)[1], "--pod-name", pod,
+                       "--dataset", self.settings.dataset, "--memory-bytes", str(self.settings.memory_bytes),
+                       "--disk-dir", str(self.run_dir / "blocks" / pod), "--peer-token-file", str(token_file))
+        # the sidecar follows placement: it warms its clusters, reports them, and finds peers in etcd
+        command += ["--etcd-endpoints", self.etcd_endpoint, "--cacheshard", f"{self.namespace}/{self.name}",
+                    "--advertise-url", url]
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+               "KVSHARD_SIDECAR_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+        return ManagedProcess(command, self.logs_dir / f"{pod}.log", url + "/readyz", env=env,
+                              start_timeout=self.settings.start_timeout_seconds)
+
+    def _wait(self, fact: Callable[[], bool], timeout: float, what: str,
+              process: ManagedProcess | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while not fact():
+            if process is not None and not process.running:
+                raise ClusterStartError(f"{what}: the process exited:\n{process.log_tail()}")
+            crashing = [p for p in (self._kubelet.pods.values() if self._kubelet else ()) if p.restarts >= 3]
+            if crashing:
+                pod = crashing[0]
+                raise ClusterStartError(f"{what}: pod {pod.name} keeps crashing ({pod.restarts} restarts):\n"
+                                        f"{pod.process.log_tail()}")
+            if time.monotonic() >= deadline:
+                detail = self._not_ready_detail()
+                raise ClusterStartError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
+            time.sleep(0.5)
+
+    def _not_ready_detail(self) -> str:
+        if self._kubelet is None:
+            return ""
+        lines = [f"\n--- {p.name} (restarts {p.restarts}) ---\n{p.process.log_tail(1500)}"
+                 for p in self._kubelet.pods.values() if not p.ready]
+        return "".join(lines)

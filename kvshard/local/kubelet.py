@@ -1,0 +1,120 @@
+"""The kubelet of the local cluster: sidecar processes as Kubernetes pods.
+
+The operator places clusters on *ready pods it sees in the API*, so the local cluster needs what a
+kubelet does, on a smaller scale: one Pod object per sidecar process, its ``Ready`` condition
+following the sidecar's ``/readyz`` (readiness probe), and a process that died started again
+(``restartPolicy: Always``) after a back-off that doubles with each crash, like CrashLoopBackOff.
+That is what makes ``kill_pod`` a faithful fault: the operator sees the pod go not-ready, moves
+its clusters, and sees it come back.
+
+It is a thread of the process that runs the cluster; all its I/O is blocking HTTP on loopback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Mapping
+
+from kvshard.local.kubeapi import PODS, KubeApi, KubeApiError, pod_status
+from kvshard.processes import ManagedProcess, http_ok
+
+log = logging.getLogger(__name__)
+
+ENGINE_LABELS: Mapping[str, str] = {"app.kubernetes.io/name": "kvshard-engine"}
+
+
+@dataclasses.dataclass
+class PodProcess:
+    """One pod: its name, the sidecar process behind it and what the kubelet last saw."""
+
+    name: str
+    process: ManagedProcess
+    url: str
+    ready: bool = False
+    restarts: int = 0
+    restart_at: float | None = None
+    published: tuple[bool, int] | None = None
+
+
+class Kubelet:
+    """Keeps one Pod object per sidecar in step with the process (a background thread)."""
+
+    def __init__(self, api: KubeApi, namespace: str, pods: list[PodProcess], *, period: float = 0.5,
+                 backoff: float = 1.0, backoff_max: float = 30.0, labels: Mapping[str, str] = ENGINE_LABELS) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.pods = {p.name: p for p in pods}
+        self.period = period
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self.labels = dict(labels)
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
+
+    def start(self) -> None:
+        """Create the Pod objects (not ready yet) and start following the processes."""
+        for pod in self.pods.values():
+            self.api.create(PODS.format(ns=self.namespace), {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod.name, "namespace": self.namespace, "labels": self.labels,
+                             "annotations": {"kvshard.io/url": pod.url}},
+                "spec": {"restartPolicy": "Always", "containers": [{"name": "sidecar", "image": "kvshard"}]},
+                "status": pod_status(False, 0),
+            })
+            pod.published = (False, 0)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop following (processes are left to their owner); idempotent."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the pod's process group, as a crash would; the loop restarts it after a back-off."""
+        pod = self.pods[name]
+        with self.lock:
+            pod.process.kill()
+        log.info("pod %s killed (SIGKILL)", name)
+
+    def all_ready(self) -> bool:
+        return all(p.ready for p in self.pods.values())
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for pod in list(self.pods.values()):
+                if self._stop.is_set():
+                    break
+                try:
+                    self.sync(pod)
+                except (KubeApiError, OSError) as exc:
+                    log.warning("kubelet: cannot sync pod %s: %s", pod.name, exc)
+            self._stop.wait(self.period)
+
+    def sync(self, pod: PodProcess) -> None:
+        """One probe: restart a dead process when its back-off is over, publish readiness changes."""
+        with self.lock:
+            running = pod.process.running
+            if not running and pod.restart_at is None:
+                pod.restarts += 1
+                delay = min(self.backoff * 2 ** (pod.restarts - 1), self.backoff_max)
+                pod.restart_at = time.monotonic() + delay
+                code = pod.process.process.returncode if pod.process.process is not None else None
+                log.warning("pod %s: process exited (code %s); restarting in %.0f s (restart %d)",
+                            pod.name, code, delay, pod.restarts)
+            elif not running and pod.restart_at is not None and time.monotonic() >= pod.restart_at:
+                pod.restart_at = None
+                pod.process.start(wait=False)
+                running = True
+                log.info("pod %s: process restarted (pid %s)", pod.name, pod.process.pid)
+        pod.ready = running and http_ok(pod.process.ready_url)
+        state = (pod.ready, pod.restarts)
+        if state != pod.published:
+            self.api.patch(PODS.format(ns=self.namespace) + f"/{pod.name}",
+                           {"status": pod_status(pod.ready, pod.restarts)})
+            pod.published = state
+            log.info("pod %s: Ready=%s (restarts %d)", pod.name, pod.ready, pod.restarts)

@@ -1,0 +1,83 @@
+"""What the local cluster generates: its CacheShard and its Prometheus config (pure functions).
+
+The CacheShard starts from ``cacheshard-local.yaml`` beside this module (a local variant of
+``crds/examples/cacheshard-minimal.yaml``) or from a user's YAML, and only the fields that depend on
+this run are overwritten: where etcd and Prometheus listen, and — for the generated one — the
+catalog, the cluster count and the rebalance interval. Prometheus scrapes every process the cluster
+runs; sidecar targets carry a static ``pod`` label (the rebalancer joins hit rates on it) while the
+router's target carries none, because the router's own samples already name the pod they count.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvshard.datasets import BUILTIN_DATASETS
+
+TEMPLATE = Path(__file__).with_name("cacheshard-local.yaml")
+
+
+def catalog_source(dataset: str) -> dict[str, Any]:
+    """``spec.catalog`` for a sidecar ``--dataset`` value: a built-in name, a folder or a JSONL file."""
+    if dataset in BUILTIN_DATASETS:
+        return {"builtin": dataset}
+    path = Path(dataset).expanduser().resolve()
+    items = path / "items.jsonl" if path.is_dir() else path
+    return {"file": {"path": str(items)}}
+
+
+def load_cacheshard(path: Path | None = None) -> dict[str, Any]:
+    """The CacheShard in ``path`` (default: the local template), checked to be one."""
+    source = path or TEMPLATE
+    try:
+        obj = yaml.safe_load(source.read_text())
+    except OSError as exc:
+        raise ValueError(f"CacheShard file {source}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"CacheShard file {source}: not YAML ({exc})") from None
+    if not isinstance(obj, dict) or obj.get("kind") != "CacheShard" or not isinstance(obj.get("spec"), dict):
+        raise ValueError(f"{source}: not a CacheShard manifest (kind: CacheShard with a spec)")
+    if not (obj.get("metadata") or {}).get("name"):
+        raise ValueError(f"{source}: metadata.name is required")
+    return obj
+
+
+def local_cacheshard(base: Mapping[str, Any], *, namespace: str, etcd_endpoint: str, prometheus_url: str,
+                     generated: bool, dataset: str = "movielens-100k", clusters: int = 12,
+                     rebalance_interval_seconds: int = 15) -> dict[str, Any]:
+    """``base`` pointed at this run's etcd and Prometheus; ``generated`` also sets catalog, clusters
+    and the rebalance interval (a user's YAML keeps its own)."""
+    obj = copy.deepcopy(dict(base))
+    obj.setdefault("apiVersion", "kvshard.io/v1alpha1")
+    meta = obj.setdefault("metadata", {})
+    meta["namespace"] = namespace
+    spec = obj["spec"]
+    spec["etcd"] = {**(spec.get("etcd") or {}), "endpoints": [etcd_endpoint]}
+    spec["prometheus"] = {**(spec.get("prometheus") or {}), "url": prometheus_url}
+    if generated:
+        spec["catalog"] = catalog_source(dataset)
+        spec["clusters"] = clusters
+        spec["rebalance"] = {**(spec.get("rebalance") or {}), "enabled": True,
+                             "intervalSeconds": rebalance_interval_seconds}
+    return obj
+
+
+def prometheus_config(*, scrape_interval_seconds: float, sidecars: Mapping[str, str], router: str | None,
+                      operator: str | None) -> dict[str, Any]:
+    """``prometheus.yml``: targets are ``host:port``; ``sidecars`` maps pod name → target."""
+    interval = f"{max(1, round(scrape_interval_seconds * 1000))}ms"
+    jobs: list[dict[str, Any]] = [{
+        "job_name": "kvshard-sidecar",
+        "static_configs": [{"targets": [target], "labels": {"pod": pod}} for pod, target in sorted(sidecars.items())],
+    }]
+    if router:
+        jobs.append({"job_name": "kvshard-router", "static_configs": [{"targets": [router]}]})
+    if operator:
+        jobs.append({"job_name": "kvshard-operator", "static_configs": [{"targets": [operator]}]})
+    return {"global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
+            "scrape_configs": jobs}

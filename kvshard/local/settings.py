@@ -1,0 +1,79 @@
+"""The local cluster's one settings object: flags, then ``KVSHARD_LOCAL_*`` env, then defaults.
+
+The defaults are sized for a laptop or a small CI box: three sidecars with one torch thread each
+(three sidecars on two cores fight for the CPU otherwise), a small memory tier, and a Prometheus
+that scrapes every two seconds so the rebalancer sees fresh rates within one interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvshard import settings as settings_lib
+from kvshard.paths import cache_dir
+from kvshard.settings import setting
+
+ENV_PREFIX = "KVSHARD_LOCAL_"
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LocalClusterSettings:
+    pods: int = setting(3, "sidecar pods to run (engine-0 … engine-{N-1})")
+    dir: Path | None = setting(None, "run folder: logs, etcd data, kubeconfig, cluster.json "
+                               "(default: <user cache>/local-cluster)")
+    cacheshard: Path | None = setting(None, "CacheShard YAML to apply (default: generated from the local template; "
+                                      "its etcd endpoints and Prometheus URL are pointed at the local ones)")
+    dataset: str = setting("movielens-100k", "catalog of the generated CacheShard and of the sidecars: a built-in "
+                           "name or a dataset folder with items.jsonl")
+    namespace: str = setting("default", "namespace of the pods and the CacheShard")
+    clusters_per_pod: int = setting(4, "item clusters per pod in the generated CacheShard")
+    rebalance_interval_seconds: int = setting(15, "spec.rebalance.intervalSeconds of the generated CacheShard "
+                                              "(the CRD allows 10 or more)")
+    memory_bytes: int = setting(512 * MiB, "memory tier budget of each sidecar in bytes")
+    threads: int = setting(1, "torch threads per sidecar (OMP_NUM_THREADS); keep pods × threads ≤ cores")
+    router_policy: str = setting("affinity", "routing policy of the router")
+    scrape_interval_seconds: float = setting(2.0, "Prometheus scrape interval")
+    start_timeout_seconds: float = setting(300.0, "how long to wait for the sidecars' models and for warm-up")
+
+    def __post_init__(self) -> None:
+        for name in ("pods", "clusters_per_pod", "threads"):
+            if getattr(self, name) < 1:
+                raise settings_lib.SettingsError(f"{name} must be >= 1")
+        if self.rebalance_interval_seconds < 10:
+            raise settings_lib.SettingsError("rebalance_interval_seconds must be >= 10 (the CRD's minimum)")
+        if self.memory_bytes < 0:
+            raise settings_lib.SettingsError("memory_bytes must be >= 0")
+        if self.scrape_interval_seconds <= 0 or self.start_timeout_seconds <= 0:
+            raise settings_lib.SettingsError("scrape_interval_seconds and start_timeout_seconds must be > 0")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.dir or cache_dir() / "local-cluster").expanduser().resolve()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    settings_lib.add_arguments(parser, LocalClusterSettings, ENV_PREFIX)
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kvshard up`` (kept here, beside the settings, so ``kvshard --help`` stays light)."""
+    add_arguments(parser)
+    parser.add_argument("--no-wait", action="store_true",
+                        help="print the process table as soon as everything started, without waiting for the "
+                        "CacheShard to be Ready and every pod warm")
+
+
+def add_down_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kvshard down``."""
+    parser.add_argument("--dir", type=Path, default=None,
+                        help=f"run folder of the cluster to stop [env {ENV_PREFIX}DIR; default: "
+                        "<user cache>/local-cluster]")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds to wait for `kvshard up` to stop before killing what is left (default: 60)")
+
+
+def from_args(args: argparse.Namespace | None) -> LocalClusterSettings:
+    return settings_lib.from_sources(LocalClusterSettings, args, ENV_PREFIX)

@@ -1,0 +1,197 @@
+"""The local cluster end to end: every real process on loopback, through the Python API and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvshard.local import LocalCluster
+from kvshard.local.cluster import process_start_time
+from kvshard.local.kubeapi import condition
+from kvshard.processes import http_ok
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+JOBS = {"kvshard-sidecar", "kvshard-router", "kvshard-operator"}
+
+
+def wait_until(fact: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fact()
+        if last:
+            return last
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}: last {last!r}")
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def post(url: str, body: Any) -> tuple[int, dict[str, str], Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=180) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read().decode(errors="replace")
+
+
+def up_targets(prometheus_url: str) -> dict[tuple[str, str], float]:
+    """(job, pod label or '') → value of ``up`` for every scraped target."""
+    query = urllib.parse.urlencode({"query": "up"})
+    result = get_json(f"{prometheus_url}/api/v1/query?{query}")["data"]["result"]
+    return {(r["metric"]["job"], r["metric"].get("pod", "")): float(r["value"][1]) for r in result}
+
+
+def alive(pid: int, start_time: int) -> bool:
+    return process_start_time(pid) == start_time
+
+
+def pgrep(pattern: str) -> list[str]:
+    done = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True, check=False)
+    return [line for line in done.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_local_cluster_places_scrapes_routes_and_restarts_pods(small_dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cluster = LocalCluster(pods=2, dir=run, dataset=str(small_dataset), scrape_interval_seconds=1.0,
+                           start_timeout_seconds=240)
+    with cluster:
+        lines: list[str] = []
+        started = time.monotonic()
+        cluster.wait_ready(timeout=240, progress=lines.append)
+        print(f"ready {time.monotonic() - started:.0f} s after start():", *lines, sep="\n  ")
+        assert lines[-1].startswith("ready: generation ")
+
+        # the operator placed the catalog on both pods
+        shard = cluster.cacheshard()
+        assert condition(shard, "Ready")["status"] == "True"
+        assert (shard["status"]["pods"], shard["status"]["clusters"], shard["status"]["itemsPlaced"]) == (2, 8, 48)
+        placement, reports = cluster.warm_reports()
+        assert placement is not None and set(placement.pods) == {"engine-0", "engine-1"}
+        for pod in placement.pods:
+            assert reports[pod].generation == placement.generation and reports[pod].warming == 0
+            assert set(reports[pod].clusters) == set(placement.clusters_of(pod))
+            assert reports[pod].url == cluster.sidecar_urls[pod]
+
+        # Prometheus scrapes every process: sidecars carry a pod label, the router target none
+        targets = wait_until(lambda: (t := up_targets(cluster.prometheus_url))
+                             and {j for j, _ in t} == JOBS and all(v == 1.0 for v in t.values()) and t,
+                             timeout=30, what="up == 1 for every job")
+        assert {pod for job, pod in targets if job == "kvshard-sidecar"} == {"engine-0", "engine-1"}
+        assert ("kvshard-router", "") in targets and ("kvshard-operator", "") in targets
+
+        # a request lands on the pod whose warm report holds its candidates' cluster
+        for pod in placement.pods:
+            cluster_id = reports[pod].clusters[0]
+            items = placement.items_of(cluster_id)
+            status, headers, answer = post(cluster.router_url + "/v1/recommend", {
+                "user_id": f"local-test-{pod}", "history": [], "candidates": items[:5], "max_tokens": 4})
+            assert status == 200, answer
+            assert cluster_id in reports[headers["X-Kvshard-Pod"]].clusters, (pod, cluster_id, headers)
+
+        # a crashed sidecar: the kubelet marks its pod not Ready, restarts it, and it warms again
+        first = placement.generation
+        cluster.kill_pod("engine-1")
+        wait_until(lambda: not cluster.pod_ready("engine-1"), timeout=10, what="engine-1 Ready=False")
+        wait_until(lambda: cluster.restarts("engine-1") == 1 and cluster.pod_ready("engine-1"), timeout=120,
+                   what="engine-1 restarted and Ready again")
+        wait_until(lambda: (p := cluster.warm_reports()[0]) is not None and len(p.pods) == 2, timeout=30,
+                   what="a placement on both pods again")
+        cluster.wait_ready(timeout=120, progress=lines.append)
+        after, _ = cluster.warm_reports()
+        assert after is not None and set(after.pods) == {"engine-0", "engine-1"}
+        assert after.generation >= first + 2, "the operator should have placed without engine-1, then with it"
+        processes = cluster.processes()
+        assert {p.name for p in processes} == {"etcd", "kube-api", "operator", "engine-0", "engine-1",
+                                               "prometheus", "router"}
+        for info in processes:
+            assert Path(info.log).exists(), info
+
+    assert not [p for p in processes if alive(p.pid, p.start_time)]
+    assert pgrep(str(run)) == []
+    cluster.stop()  # idempotent
+
+
+def test_up_and_down_run_and_stop_the_cluster_as_commands(small_dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "kvshard.cli", "up", "--pods", "1", "--dir", str(run),
+               "--dataset", str(small_dataset), "--no-wait"]
+    up_log = (tmp_path / "up.log").open("w")
+    up = subprocess.Popen(command, stdout=up_log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        state_file = run / "cluster.json"
+        state = wait_until(lambda: state_file.exists() and (s := json.loads(state_file.read_text()))["processes"]
+                           and s, timeout=180, what="cluster.json with processes")
+        assert state["up_pid"] == up.pid
+        wait_until(lambda: http_ok(state["urls"]["router"] + "/readyz"), timeout=120, what="router ready")
+        assert {p["name"] for p in state["processes"]} >= {"etcd", "kube-api", "operator", "engine-0", "router"}
+        table = (tmp_path / "up.log").read_text()
+        for row in state["processes"]:
+            assert str(row["pid"]) in table and row["log"] in table
+
+        # a second `up` on the same folder is refused while the first runs
+        second = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        assert second.returncode == 1
+        assert "already runs" in second.stdout and str(up.pid) in second.stdout
+
+        down = subprocess.run([sys.executable, "-m", "kvshard.cli", "down", "--dir", str(run)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert f"stopping kvshard up (pid {up.pid})" in down.stdout and "stopped" in down.stdout
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:  # the test failed midway: stop the cluster, then the command
+            subprocess.run([sys.executable, "-m", "kvshard.cli", "down", "--dir", str(run), "--timeout", "30"],
+                           capture_output=True, timeout=120, check=False)
+            if up.poll() is None:
+                os.killpg(up.pid, signal.SIGKILL)
+        up_log.close()
+    assert not [p for p in state["processes"] if alive(p["pid"], p["start_time"])]
+    assert pgrep(str(run)) == []
+    assert not (run / "cluster.json").exists()
+
+
+def test_down_kills_what_a_killed_up_left_behind(small_dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    up = subprocess.Popen([sys.executable, "-m", "kvshard.cli", "up", "--pods", "1", "--dir", str(run),
+                           "--dataset", str(small_dataset), "--no-wait"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    state_file = run / "cluster.json"
+    try:
+        state = wait_until(lambda: state_file.exists() and (s := json.loads(state_file.read_text()))["processes"]
+                           and s, timeout=180, what="cluster.json with processes")
+        os.kill(up.pid, signal.SIGKILL)  # no chance to clean up
+        up.wait(timeout=10)
+        orphans = {p["name"] for p in state["processes"] if alive(p["pid"], p["start_time"])}
+        assert orphans >= {"etcd", "kube-api", "operator", "engine-0", "router"}
+
+        down = subprocess.run([sys.executable, "-m", "kvshard.cli", "down", "--dir", str(run)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert f"kvshard up (pid {up.pid}) is not running" in down.stdout
+        assert "killed left-over processes" in down.stdout and "engine-0" in down.stdout
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+        subprocess.run([sys.executable, "-m", "kvshard.cli", "down", "--dir", str(run)], capture_output=True,
+                       timeout=60, check=False)
+    wait_until(lambda: not [p for p in state["processes"] if alive(p["pid"], p["start_time"])], timeout=10,
+               what="every process of the run gone")
+    assert pgrep(str(run)) == []

@@ -1,0 +1,76 @@
+"""What the local cluster generates: a CacheShard the CRD accepts and a Prometheus config that
+promtool accepts, with the labels the rebalancer joins on."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvshard.local import manifests
+from kvshard.local.settings import LocalClusterSettings
+from kvshard.settings import SettingsError
+
+
+def test_generated_cacheshard_is_valid_and_points_at_the_local_servers(tmp_path: Path) -> None:
+    from kvshard_operator.validation import violations
+
+    (tmp_path / "items.jsonl").write_text('{"id": "1", "text": "One"}\n')
+    obj = manifests.local_cacheshard(manifests.load_cacheshard(), namespace="team", etcd_endpoint="127.0.0.1:4001",
+                                     prometheus_url="http://127.0.0.1:9999", generated=True,
+                                     dataset=str(tmp_path), clusters=12, rebalance_interval_seconds=10)
+    assert violations(obj) == []
+    spec = obj["spec"]
+    assert obj["metadata"]["namespace"] == "team"
+    assert spec["etcd"]["endpoints"] == ["127.0.0.1:4001"]
+    assert spec["prometheus"]["url"] == "http://127.0.0.1:9999"
+    assert spec["catalog"] == {"file": {"path": str(tmp_path / "items.jsonl")}}
+    assert (spec["clusters"], spec["rebalance"]) == (12, {"enabled": True, "intervalSeconds": 10})
+    builtin = manifests.local_cacheshard(manifests.load_cacheshard(), namespace="default", etcd_endpoint="e:1",
+                                         prometheus_url="http://p:1", generated=True)
+    assert builtin["spec"]["catalog"] == {"builtin": "movielens-100k"}
+
+
+def test_a_users_cacheshard_keeps_its_own_spec_but_uses_the_local_servers(tmp_path: Path) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(yaml.safe_dump({"apiVersion": "kvshard.io/v1alpha1", "kind": "CacheShard",
+                                    "metadata": {"name": "mine"},
+                                    "spec": {"clusters": 5, "catalog": {"builtin": "movielens-100k"},
+                                             "etcd": {"endpoints": ["far:2379"], "secretRef": {"name": "s"}}}}))
+    obj = manifests.local_cacheshard(manifests.load_cacheshard(mine), namespace="default", etcd_endpoint="near:1",
+                                     prometheus_url="http://near:2", generated=False, clusters=99)
+    assert obj["spec"]["clusters"] == 5 and "rebalance" not in obj["spec"]
+    assert obj["spec"]["etcd"] == {"endpoints": ["near:1"], "secretRef": {"name": "s"}}
+    (tmp_path / "bad.yaml").write_text("kind: Deployment\nspec: {}\n")
+    with pytest.raises(ValueError, match="not a CacheShard"):
+        manifests.load_cacheshard(tmp_path / "bad.yaml")
+    with pytest.raises(ValueError, match="nope.yaml"):
+        manifests.load_cacheshard(tmp_path / "nope.yaml")
+
+
+def test_prometheus_config_labels_sidecars_by_pod_and_passes_promtool(tmp_path: Path) -> None:
+    config = manifests.prometheus_config(scrape_interval_seconds=2, sidecars={"engine-1": "h:2", "engine-0": "h:1"},
+                                         router="h:3", operator="h:4")
+    jobs = {job["job_name"]: job["static_configs"] for job in config["scrape_configs"]}
+    assert jobs["kvshard-sidecar"] == [{"targets": ["h:1"], "labels": {"pod": "engine-0"}},
+                                       {"targets": ["h:2"], "labels": {"pod": "engine-1"}}]
+    assert jobs["kvshard-router"] == [{"targets": ["h:3"]}]  # its samples carry their own pod label
+    assert jobs["kvshard-operator"] == [{"targets": ["h:4"]}]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian's prometheus package)")
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    checked = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize(("field", "value"), [("pods", 0), ("threads", 0), ("rebalance_interval_seconds", 5)])
+def test_settings_refuse_values_that_cannot_run(field: str, value: int) -> None:
+    changes: dict[str, Any] = {field: value}
+    with pytest.raises(SettingsError, match=field):
+        LocalClusterSettings(**changes)
