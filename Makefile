@@ -64,7 +64,7 @@ test: venv model lint tools  ## Run the whole test suite, slow end-to-end tests 
 unit: venv model tools  ## Only the fast tests
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
-demo: venv model  ## Run the main job on the embedded default (MovieLens-100k, SmolLM2)
+demo: venv model  ## The main job: 3 local pods + router replay MovieLens, print hit ratios, TTFT, load, agreement
 	$(KVSHARD) demo
 
 clean:  ## Remove the venv and build outputs (the user cache stays)

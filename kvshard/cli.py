@@ -61,7 +61,33 @@ def _model_prepare(args: argparse.Namespace) -> int:
 def _add_demo_command(sub: Any) -> None:
     demo = sub.add_parser(
         "demo",
-        help="the main job on the embedded default (MovieLens-100k, SmolLM2)",
+        help="the whole system locally: cluster, CacheShard, MovieLens replay through the router, summary",
+        description="Bring up the local cluster (etcd, Prometheus, operator, sidecar pods, router), apply the "
+        "example CacheShard and wait for Ready, replay MovieLens sessions with Zipf-skewed popularity and a "
+        "hot-shard burst through the router, then print hit ratios per tier and segment kind, TTFT blended vs "
+        "full prefill, per-pod load before and after the rebalance and agreement with full prefill, and write "
+        "summary.txt, summary.json, requests.jsonl and placement.png. (The single-process demo is "
+        "`kvshard sidecar demo`.)",
+    )
+    demo.add_argument("--pods", type=int, default=3, help="sidecar pods (default: %(default)s)")
+    demo.add_argument("--requests", type=int, default=160,
+                      help="requests to replay; the burst runs longer if the rebalance is late (default: %(default)s)")
+    demo.add_argument("--users", type=int, default=32, help="MovieLens users sampled (default: %(default)s)")
+    demo.add_argument("--out", type=Path, default=None, help="output folder (default: <user cache>/demo)")
+    demo.add_argument("--keep-running", action="store_true", help="leave the cluster up after the summary until Ctrl-C")
+    demo.add_argument("--concurrency", type=int, default=3, help="requests in flight (default: %(default)s)")
+    demo.add_argument("--pairs", type=int, default=20,
+                      help="requests re-sent blended and as full prefill (default: %(default)s)")
+    demo.add_argument("--burst-timeout", type=float, default=150.0,
+                      help="longest the burst waits for a rebalance, seconds (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="trace seed (default: %(default)s)")
+    demo.set_defaults(handler=_lazy("kvshard_bench.demo", "run"))
+
+
+def _add_sidecar_demo_command(sidecar_sub: Any) -> None:
+    demo = sidecar_sub.add_parser(
+        "demo",
+        help="one process, no cluster: prefill blocks, blend one prompt, compare with full prefill",
         description="Prepare the model, load a dataset, prefill item and user-history KV blocks for a "
         "sample of users into the block store (memory + disk), print store statistics and one example "
         "prompt with its segment boundaries, then serve that prompt blended from the store and compare "
@@ -90,6 +116,37 @@ def _add_sidecar_commands(sub: Any) -> None:
 
     add_arguments(serve)
     serve.set_defaults(handler=_lazy("kvshard_sidecar.main", "serve"))
+    _add_sidecar_demo_command(sidecar_sub)
+
+
+def _add_router_commands(sub: Any) -> None:
+    router = sub.add_parser("router", help="the stateless request router in front of the pods",
+                            description="The kvshard router: follows placement in etcd and sends each request "
+                            "to the pod holding most of its blocks.")
+    router_sub = router.add_subparsers(dest="router_command", required=True, metavar="COMMAND")
+    serve = router_sub.add_parser(
+        "serve", help="route /v1/recommend to the pods by placement; /v1/placement, /metrics, health checks",
+        description="Serve the router HTTP API. Every flag can also be set by its KVSHARD_ROUTER_* "
+        "environment variable; flags win.")
+    from kvshard_router.settings import add_arguments  # torch-free: the settings dataclass and numpy
+
+    add_arguments(serve)
+    serve.set_defaults(handler=_lazy("kvshard_router.main", "serve"))
+
+
+def _add_local_commands(sub: Any) -> None:
+    up = sub.add_parser("up", help="run the whole system on this machine (etcd, API, operator, pods, router)",
+                        description="Start a local cluster on loopback: etcd, a Kubernetes API emulator, the operator, "
+                        "N sidecar pods, Prometheus and the router; apply a CacheShard; print every process; stop "
+                        "everything on Ctrl-C/SIGTERM. Every flag can also be set by its KVSHARD_LOCAL_* variable.")
+    from kvshard.local.settings import add_down_arguments, add_up_arguments  # light: no etcd client
+
+    add_up_arguments(up)
+    up.set_defaults(handler=_lazy("kvshard.local.cli", "up"))
+    down = sub.add_parser("down", help="stop the local cluster started by `kvshard up`",
+                          description="Ask the `kvshard up` of a run folder to stop, wait, then kill whatever it left.")
+    add_down_arguments(down)
+    down.set_defaults(handler=_lazy("kvshard.local.cli", "down"))
 
 
 def _add_operator_commands(sub: Any) -> None:
@@ -170,7 +227,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     _add_model_commands(sub)
     _add_demo_command(sub)
     _add_sidecar_commands(sub)
+    _add_router_commands(sub)
     _add_operator_commands(sub)
+    _add_local_commands(sub)
     _add_bench_commands(sub, argv)
     return parser
 

@@ -86,6 +86,8 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise RequestError("body", f"not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError("body", "JSON nested too deeply") from None
 
 
 async def recommend(request: web.Request) -> web.StreamResponse:

@@ -72,6 +72,8 @@ def test_malformed_bodies_are_400_or_415(sidecar: Sidecar) -> None:
     assert sidecar.call("POST", "/v1/recommend", raw=b"{not json")[0] == 400
     assert sidecar.call("POST", "/v1/recommend", raw=b'{"a":1}', headers={"Content-Type": "text/plain"})[0] == 415
     assert sidecar.call("POST", "/v1/recommend", raw=b"x" * (2 << 20))[0] == 413
+    status, deep = sidecar.json("POST", "/v1/recommend", raw=b"[" * 100_000)
+    assert (status, deep["error"]["message"]) == (400, "JSON nested too deeply")
     assert sidecar.json("POST", "/v1/recommend", REQUEST)[0] == 200
 
 

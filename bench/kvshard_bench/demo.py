@@ -1,0 +1,325 @@
+"""``kvshard demo`` (``make demo``): the whole system on this machine, end to end.
+
+Brings up the local cluster (etcd, Prometheus, the emulated Kubernetes API with the operator, N
+sidecar pods, the router), applies the example CacheShard and waits for ``Ready`` and warm pods,
+then replays MovieLens sessions through the router in three phases:
+
+1. **steady** — session requests whose candidates are retrieval-like (:mod:`demo_trace`);
+2. **burst** — a share of requests take their candidates from one or two clusters held by a single
+   pod (a trending topic), until the operator's rebalancer publishes a new placement generation and
+   its new holders report warm (bounded by ``--burst-timeout``);
+3. **after** — the same burst mix on the rebalanced placement, for at least two rebalance intervals.
+
+:mod:`demo_watch` reads the placement generation and the warm reports from etcd once a second (what
+the router and sidecars follow) and the CacheShard's conditions every few seconds. At the end, a sample
+of the same requests is re-sent one at a time straight to the sidecar that served it, blended and
+with ``blend.ratio = 1`` (exact full prefill), for TTFT and first-token agreement. The numbers and
+the picture come from :mod:`demo_report`; files go to ``--out`` (default ``<user cache>/demo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvshard.datasets import Dataset, load_dataset
+from kvshard.etcd_store import EtcdStore
+from kvshard.paths import cache_dir
+from kvshard.placement_schema import Placement
+from kvshard_bench import demo_report as report
+from kvshard_bench.demo_trace import DemoRequest, DemoTrace, DemoTraceSettings, ItemSpace, items_in, pick_hot_clusters
+from kvshard_bench.demo_watch import PlacementWatch
+
+log = logging.getLogger(__name__)
+
+HOT_SHARE = 0.7
+"""Share of burst-phase requests whose candidates come from the hot clusters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSettings:
+    pods: int = 3
+    requests: int = 160
+    users: int = 32
+    out: Path | None = None
+    keep_running: bool = False
+    concurrency: int = 3
+    pairs: int = 20
+    hot_clusters: int = 2
+    burst_timeout_s: float = 150.0
+    warm_timeout_s: float = 300.0
+    seed: int = 0
+
+    @property
+    def out_dir(self) -> Path:
+        return (self.out or cache_dir() / "demo").expanduser().resolve()
+
+    def plan(self) -> tuple[int, int, int]:
+        """Requests of the steady phase, the burst's minimum, and the after phase (of ``requests``)."""
+        steady = max(1, round(self.requests * 0.3))
+        burst = max(1, round(self.requests * 0.3))
+        return steady, burst, max(1, self.requests - steady - burst)
+
+
+def settings_from(args: argparse.Namespace) -> DemoSettings:
+    """The settings from ``kvshard demo``'s flags (defined in ``kvshard/cli.py``)."""
+    for name in ("pods", "requests", "users", "concurrency"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"kvshard demo: --{name} must be at least 1")
+    return DemoSettings(pods=args.pods, requests=args.requests, users=args.users, out=args.out,
+                        keep_running=args.keep_running, concurrency=args.concurrency, pairs=max(0, args.pairs),
+                        burst_timeout_s=args.burst_timeout, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvshard.local import ClusterAlreadyRunningError, ClusterStartError, LocalCluster, LocalClusterSettings
+
+    settings = settings_from(args)
+    out = settings.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"kvshard demo: output folder {out}", flush=True)
+    started = time.monotonic()
+    dataset = load_dataset("movielens-100k")
+    cluster_settings = LocalClusterSettings(pods=settings.pods, dir=out / "cluster")
+    try:
+        with LocalCluster(cluster_settings) as cluster:
+            print(f"local cluster: {settings.pods} pods, router {cluster.router_url}, "
+                  f"Prometheus {cluster.prometheus_url}, logs in {cluster.logs_dir}", flush=True)
+            cluster.wait_ready(cluster_settings.start_timeout_seconds)
+            print(f"CacheShard {cluster.namespace}/{cluster.name} is Ready after {time.monotonic() - started:.0f} s",
+                  flush=True)
+            return _replay_and_report(cluster, dataset, settings, started)
+    except (TimeoutError, ClusterStartError, ClusterAlreadyRunningError) as exc:
+        print(f"kvshard demo: the local cluster did not come up: {exc}\nlogs: {cluster_settings.run_dir / 'logs'}",
+              flush=True)
+        return 1
+
+
+def _replay_and_report(cluster: Any, dataset: Dataset, settings: DemoSettings, started: float) -> int:
+    out = settings.out_dir
+    result = asyncio.run(Replay(cluster, dataset, settings).run())
+    wall = time.monotonic() - started
+    summary = report.summarize(result.records, result.pairs, result.samples, result.changes, result.pods, wall,
+                               notes=result.notes)
+    text = report.render(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.txt").write_text(text + "\n")
+    for filename, rows in (("requests.jsonl", result.records), ("placements.jsonl", result.samples)):
+        with (out / filename).open("w") as f:
+            f.writelines(json.dumps(dataclasses.asdict(row)) + "\n" for row in rows)
+    png = report.plot(result.records, result.samples, result.pods, out / "placement.png")
+    print("\n" + text + "\n")
+    print(f"files: {out / 'summary.txt'}, {out / 'summary.json'}, {out / 'requests.jsonl'}, "
+          f"{out / 'placements.jsonl'}, {png}; cluster logs in {cluster.logs_dir}", flush=True)
+    if settings.keep_running:
+        print(f"the cluster keeps running: router {cluster.router_url}, Prometheus {cluster.prometheus_url}, "
+              f"etcd {cluster.etcd_endpoint}; Ctrl-C stops it", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("stopping the local cluster", flush=True)
+    return 0 if summary["ok"] else 1
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    records: list[report.Record]
+    pairs: list[report.PrefillPair]
+    samples: list[report.PlacementSample]
+    changes: dict[int, list[str]]
+    pods: list[str]
+    notes: dict[str, Any]
+
+
+class Replay:
+    """The phases of the demo against a running local cluster (one asyncio loop)."""
+
+    def __init__(self, cluster: Any, dataset: Dataset, settings: DemoSettings) -> None:
+        self.cluster, self.dataset, self.settings = cluster, dataset, settings
+        self.ns, self.name = str(cluster.namespace), str(cluster.name)
+        self.t0 = time.monotonic()
+        self.records: list[report.Record] = []
+        self.requests: dict[int, DemoRequest] = {}
+        self.notes: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------------------------- the run
+
+    async def run(self) -> ReplayResult:
+        steady_n, burst_min, after_n = self.settings.plan()
+        endpoint = str(self.cluster.etcd_endpoint).removeprefix("http://")
+        async with EtcdStore([endpoint]) as store, aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=180)) as http:
+            self.http = http
+            watch = self.watch = PlacementWatch(store, self.ns, self.name, self.cluster.cacheshard, self._now)
+            await watch.poll()
+            if watch.current is None:
+                raise RuntimeError(f"no placement of {self.ns}/{self.name} in etcd although the CacheShard is Ready")
+            item_clusters = watch.current.item_clusters  # the clustering stays; generations re-assign
+            trace = self._trace()
+            poller = asyncio.create_task(watch.run())
+            try:
+                self.t0 = time.monotonic()
+                watch.samples.clear()
+                await watch.poll()
+                await self._phase(trace, "steady", lambda n: n < steady_n, steady_n)
+                hot_pod, hot = pick_hot_clusters(watch.current.assignment, item_clusters, self.settings.hot_clusters)
+                pool = items_in(item_clusters, hot)
+                self.notes["hot clusters"] = (f"{hot} on {hot_pod} ({len(pool)} items, "
+                                              f"{HOT_SHARE:.0%} of burst requests)")
+                print(f"burst: {HOT_SHARE:.0%} of requests now take candidates from clusters {hot} "
+                      f"(held by {hot_pod} only)", flush=True)
+                since = watch.generation
+                deadline = time.monotonic() + self.settings.burst_timeout_s
+                await self._phase(trace, "burst",
+                                  lambda n: (n < burst_min or not watch.rebalanced(since, hot, hot_pod))
+                                  and time.monotonic() < deadline,
+                                  burst_min, pool)
+                if not watch.rebalanced(since, hot, hot_pod):
+                    self.notes["rebalance"] = (f"no new generation within {self.settings.burst_timeout_s:.0f} s "
+                                               "of burst; the 'after' phase runs on the same placement")
+                    print(self.notes["rebalance"], flush=True)
+                # at least two rebalance intervals, so the operator's follow-up generations show too
+                settle = time.monotonic() + 2 * self._interval()
+                await self._phase(trace, "after", lambda n: n < after_n or time.monotonic() < settle, after_n, pool)
+                pairs = await self._pairs()
+            finally:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
+        pods = sorted({p for pl in watch.placements.values() for p in pl.pods}
+                      | {r.pod for r in self.records if r.pod})
+        self.notes["operator rebalances seen (Rebalancing=True transitions)"] = watch.rebalances
+        self.notes["round-robin"] = ("counterfactual: request i would go to healthy pod i mod N; "
+                                     "held = its candidates whose cluster that pod was assigned")
+        return ReplayResult(self.records, pairs, list(watch.samples), watch.changes(), pods, self.notes)
+
+    def _interval(self) -> float:
+        """The CacheShard's rebalance interval in seconds (the local cluster's setting)."""
+        return float(getattr(getattr(self.cluster, "settings", None), "rebalance_interval_seconds", 15))
+
+    def _trace(self) -> DemoTrace:
+        from kvshard_operator.embedding import embed_catalog
+
+        settings = DemoTraceSettings(users=self.settings.users, seed=self.settings.seed,
+                                     requests_per_user=max(1, math.ceil(self.settings.requests / self.settings.users)))
+        ids = sorted(self.dataset.items)  # the operator's catalog order: its embedding cache is reused
+        vectors = embed_catalog(ids, [self.dataset.items[i].text for i in ids])
+        return DemoTrace(self.dataset, ItemSpace.build(self.dataset, vectors, settings, ids), settings)
+
+    # -------------------------------------------------------------------------------- requests
+
+    async def _phase(self, trace: DemoTrace, phase: str, more: Callable[[int], bool], planned: int,
+                     hot_pool: list[str] | None = None) -> None:
+        sent = 0
+        done = [0]
+        last = [time.monotonic()]
+
+        async def worker() -> None:
+            nonlocal sent
+            while more(sent):
+                sent += 1
+                request = trace.next(hot_pool or (), HOT_SHARE if hot_pool else 0.0)
+                await self._send(request, phase)
+                done[0] += 1
+                if done[0] % 10 == 0 or time.monotonic() - last[0] > 5:
+                    last[0] = time.monotonic()
+                    self._progress(phase, done[0], max(planned, sent))
+
+        await asyncio.gather(*(worker() for _ in range(self.settings.concurrency)))
+        self._progress(phase, done[0], done[0])
+
+    def _progress(self, phase: str, done: int, total: int) -> None:
+        records = [r for r in self.records if r.phase == phase and r.ok]
+        shares = report.load_share(records[-30:], sorted((self.watch.current or _EMPTY).pods))
+        load = " ".join(f"{p}={s:.0%}" for p, s in shares.items())
+        errors = sum(1 for r in self.records if r.phase == phase and not r.ok)
+        print(f"[{phase:<6}] {done:4d}/{total:<4d} requests  generation {self.watch.generation}  "
+              f"recent load {load}  errors {errors}  t={self._now():.0f}s", flush=True)
+
+    async def _send(self, request: DemoRequest, phase: str) -> None:
+        self.requests[request.index] = request
+        generation = self.watch.generation
+        placement = self.watch.current
+        sent = self._now()
+        record = report.Record(request.index, phase, sent, 0.0, 0, None, generation, request.target,
+                               request.trending)
+        try:
+            url = f"{self.cluster.router_url}/v1/recommend"
+            async with self.http.post(url, json=request.body(max_tokens=1)) as resp:
+                record.status = resp.status
+                record.pod = resp.headers.get("X-Kvshard-Pod")
+                body = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+            body = None
+        record.latency_s = self._now() - sent
+        if isinstance(body, dict) and record.ok:
+            record.pod = record.pod or body.get("pod")
+            record.ttft_ms = float(body["timings"]["ttft_ms"])
+            record.query = {k: int(v) for k, v in body["tokens"]["query"].items()}
+            record.hit = {k: {t: int(n) for t, n in v.items()} for k, v in body["tokens"]["hit"].items()}
+            record.label, record.candidate = body.get("label"), body.get("candidate")
+        elif isinstance(body, dict):
+            record.error = json.dumps(body.get("error", body))[:300]
+        if placement is not None:
+            healthy = sorted(placement.pods)
+            if record.pod:
+                record.held = report.held_share(request.candidates, placement.item_clusters,
+                                                placement.clusters_of(record.pod))
+            rr = report.round_robin_pod(request.index, healthy)
+            if rr is not None:
+                record.rr_held = report.held_share(request.candidates, placement.item_clusters,
+                                                   placement.clusters_of(rr))
+        if not record.ok:
+            log.warning("request %d: HTTP %s %s", request.index, record.status, record.error)
+        self.records.append(record)
+
+    async def _pairs(self) -> list[report.PrefillPair]:
+        """The same requests, one at a time, to the same sidecar: blended, then full prefill (r = 1)."""
+        ok = [r for r in self.records if r.ok and r.pod in self.cluster.sidecar_urls]
+        if not ok or not self.settings.pairs:
+            return []
+        step = max(1, len(ok) // self.settings.pairs)
+        chosen = ok[::step][: self.settings.pairs]
+        print(f"re-sending {len(chosen)} requests to their sidecars: blended, then full prefill (blend.ratio=1)",
+              flush=True)
+        pairs = []
+        for record in chosen:
+            request = self.requests[record.index]
+            url = f"{self.cluster.sidecar_urls[record.pod]}/v1/recommend"
+            blended = await self._direct(url, request.body(max_tokens=1))
+            full = await self._direct(url, request.body(max_tokens=1, blend={"ratio": 1.0}))
+            if blended is None or full is None:
+                continue
+            assert record.pod is not None
+            pairs.append(report.PrefillPair(record.index, record.pod, float(blended["timings"]["ttft_ms"]),
+                                            float(full["timings"]["ttft_ms"]), blended.get("label"),
+                                            full.get("label")))
+        return pairs
+
+    async def _direct(self, url: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        try:
+            async with self.http.post(url, json=body) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status == 200 and isinstance(data, dict):
+                    return data
+                log.warning("%s answered %s: %s", url, resp.status, data)
+        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
+            log.warning("%s failed: %s", url, exc)
+        return None
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+
+_EMPTY = Placement(0, {}, {})
