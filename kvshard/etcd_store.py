@@ -23,6 +23,7 @@ import asyncio
 import json
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -201,17 +202,36 @@ class EtcdStore:
         await self._call("publish", kv.txn([compare], [clear], timeout=self.timeout))
         if len(assignment) + sum(map(len, chunks)) <= _TXN_LIMIT:
             resp = await self._call("publish", kv.txn([compare], [*writes, swap], timeout=self.timeout))
-        else:  # too big for one request: write the generation, then swap
-            for op in writes:
-                put = op.request_put
-                await self._call("publish", kv.put(put.key, put.value, timeout=self.timeout))
-            resp = await self._call("publish", kv.txn([compare], [swap], timeout=self.timeout))
+        else:
+            resp = await self._publish_in_steps(kv, gen_prefix + "writer", compare, writes, swap)
         if not resp.succeeded:
             raise GenerationConflictError(
                 f"{namespace}/{name}: current is no longer generation {expected}; re-read and retry"
             )
         await self._prune(namespace, name, generation)
         return generation
+
+    async def _publish_in_steps(self, kv: Any, writer_key: str, compare: Any, writes: list[Any], swap: Any) -> Any:
+        """Write a generation too big for one request, then swap ``current``.
+
+        Two writers racing for the same generation would otherwise interleave their chunks, and the
+        winner's swap could make a mix of both current. So the writer first *claims* the generation
+        (``gen/<G>/writer`` = a random token) and every later write, the swap included, is a
+        transaction that also checks the claim is still its own: whoever claims last writes the whole
+        generation, every other writer fails its next step with a conflict and stops.
+        """
+        token = uuid.uuid4().hex
+        claim = await self._call("publish", kv.txn([compare], [kv.txn_op_put(writer_key, token)],
+                                                    timeout=self.timeout))
+        if not claim.succeeded:
+            return claim
+        mine = kv.txn_compare_value(writer_key, token)
+        for op in writes:
+            step = await self._call("publish", kv.txn([compare, mine], [op], timeout=self.timeout))
+            if not step.succeeded:
+                return step
+        return await self._call("publish", kv.txn([compare, mine], [swap, kv.txn_op_delete(writer_key)],
+                                                  timeout=self.timeout))
 
     async def _prune(self, namespace: str, name: str, newest: int) -> None:
         """Drop generations older than the last :data:`KEEP_GENERATIONS` (readers may still be

@@ -163,21 +163,13 @@ class LocalCluster:
                     ready_url=self.kube_url + "/version", timeout=60)
 
         log.info("starting the operator")
-        operator_env = {
-            "KUBECONFIG": str(self.kubeconfig),
-            # clusters follow co-occurrence in user histories (built-in catalogs carry them)
-            "KVSHARD_OPERATOR_COOCCURRENCE_PERCENT": "50",
-            "KVSHARD_OPERATOR_POD_SYNC_SECONDS": "1",
-            "KVSHARD_OPERATOR_REBALANCE_CHECK_SECONDS": str(min(5, self.settings.rebalance_interval_seconds)),
-            "KVSHARD_OPERATOR_RETRY_BACKOFF_MAX": "10",
-        }
         operator = self._spawn("operator", _cli("operator", "run", "--metrics-port",
                                                 str(self._ports["operator_metrics"]),
                                                 "--liveness-endpoint", self.operator_health_url),
-                               ready_url=self.operator_health_url, env=operator_env, wait=False)
+                               ready_url=self.operator_health_url, env=self._operator_env(), wait=False)
 
         log.info("starting %d sidecars", self.settings.pods)
-        token_file = self.run_dir / "peer-token"
+        token_file = self.peer_token_file
         token_file.write_text(secrets.token_hex(16))
         token_file.chmod(0o600)
         pods = [PodProcess(pod, self._sidecar(pod, token_file), url) for pod, url in self.sidecar_urls.items()]
@@ -312,6 +304,11 @@ class LocalCluster:
     def kubeconfig(self) -> Path:
         return self.run_dir / "kubeconfig"
 
+    @property
+    def peer_token_file(self) -> Path:
+        """The token sidecars demand of each other on ``GET /v1/blocks/{key}``."""
+        return self.run_dir / "peer-token"
+
     def cacheshard(self) -> dict[str, Any]:
         """The CacheShard object, status included, as the API holds it ({} before it is applied)."""
         obj = self.api.get(CACHESHARDS.format(ns=self.namespace) + f"/{self.name}")
@@ -339,6 +336,37 @@ class LocalCluster:
         if name not in self._kubelet.pods:
             raise KeyError(f"no pod {name!r} (pods: {', '.join(self._kubelet.pods)})")
         self._kubelet.kill(name)
+
+    def pod_disk_dir(self, pod: str) -> Path:
+        """The pod's disk tier folder (``<run>/blocks/<pod>``); it outlives the pod's restarts."""
+        return self.run_dir / "blocks" / pod
+
+    def stop_etcd(self) -> None:
+        """Stop etcd (an outage); its data and port stay for :meth:`start_etcd`."""
+        if self._etcd is None:
+            raise RuntimeError("the cluster is not running")
+        self._etcd.stop()
+        log.info("etcd stopped")
+
+    def start_etcd(self) -> None:
+        """Start etcd again on the same port with the same data, after :meth:`stop_etcd`."""
+        if self._etcd is None:
+            raise RuntimeError("the cluster is not running")
+        self._etcd.start()
+        log.info("etcd started again on %s", self.etcd_endpoint)
+
+    def start_operator(self, name: str) -> ManagedProcess:
+        """One more operator process as the cluster's own is run (same API, same settings) on free
+        ports, e.g. to race two replicas; :meth:`stop_operator` stops it, :meth:`stop` too."""
+        if name in self._processes:
+            raise ValueError(f"a process named {name!r} already runs")
+        health_url = f"http://{HOST}:{free_port()}/healthz"
+        command = _cli("operator", "run", "--metrics-port", str(free_port()), "--liveness-endpoint", health_url)
+        return self._spawn(name, command, ready_url=health_url, env=self._operator_env(), timeout=120)
+
+    def stop_operator(self, name: str) -> None:
+        """Stop an operator started by :meth:`start_operator`."""
+        self._processes.pop(name).stop()
 
     def restarts(self, pod: str) -> int:
         return self._kubelet.pods[pod].restarts if self._kubelet is not None else 0
@@ -410,12 +438,22 @@ class LocalCluster:
             raise ClusterStartError(f"{name} did not start: {exc}") from None
         return process
 
+    def _operator_env(self) -> dict[str, str]:
+        return {
+            "KUBECONFIG": str(self.kubeconfig),
+            # clusters follow co-occurrence in user histories (built-in catalogs carry them)
+            "KVSHARD_OPERATOR_COOCCURRENCE_PERCENT": "50",
+            "KVSHARD_OPERATOR_POD_SYNC_SECONDS": "1",
+            "KVSHARD_OPERATOR_REBALANCE_CHECK_SECONDS": str(min(5, self.settings.rebalance_interval_seconds)),
+            "KVSHARD_OPERATOR_RETRY_BACKOFF_MAX": "10",
+        }
+
     def _sidecar(self, pod: str, token_file: Path) -> ManagedProcess:
         url = self.sidecar_urls[pod]
         threads = str(self.settings.threads)
         command = _cli("sidecar", "serve", "--host", HOST, "--port", url.rsplit(":", 1)[1], "--pod-name", pod,
                        "--dataset", self.settings.dataset, "--memory-bytes", str(self.settings.memory_bytes),
-                       "--disk-dir", str(self.run_dir / "blocks" / pod), "--peer-token-file", str(token_file))
+                       "--disk-dir", str(self.pod_disk_dir(pod)), "--peer-token-file", str(token_file))
         # the sidecar follows placement: it warms its clusters, reports them, and finds peers in etcd
         command += ["--etcd-endpoints", self.etcd_endpoint, "--cacheshard", f"{self.namespace}/{self.name}",
                     "--advertise-url", url]

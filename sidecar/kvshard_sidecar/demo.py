@@ -1,4 +1,4 @@
-"""``kvshard demo``: the embedded default end to end on one machine.
+"""``kvshard sidecar demo``: the embedded default end to end in one process.
 
 Prepares SmolLM2, loads a dataset, prefills the item and user-history blocks that a sample of
 recommendation requests needs into the block store (memory + disk), prints the store's statistics

@@ -68,6 +68,35 @@ async def test_large_generations_are_chunked_and_old_ones_pruned(
     assert (await store.read_current(*shard)) == placement(4, items=120_000)
 
 
+async def test_a_late_writer_of_a_large_generation_never_touches_the_published_one(
+    store: etcd_store.EtcdStore, shard: tuple[str, str]
+) -> None:
+    await store.publish(*shard, placement(1), expected=0)
+    ours = placement(2, items=120_000)
+    await store.publish(*shard, ours, expected=1)
+    late = dataclasses.replace(ours, assignment={0: ("pod-b",), 1: ("pod-a",), 2: ("pod-b",)})
+    with pytest.raises(etcd_store.GenerationConflictError):
+        await store.publish(*shard, late, expected=1)  # computed from generation 1, like a second operator
+    assert await store.read_current(*shard) == ours
+
+
+async def test_two_writers_racing_with_large_generations_leave_one_whole_winner(
+    etcd_server: EtcdServer, store: etcd_store.EtcdStore, shard: tuple[str, str]
+) -> None:
+    await store.publish(*shard, placement(1), expected=0)
+    ours = placement(2, items=120_000)
+    theirs = dataclasses.replace(ours, assignment={0: ("pod-b",), 1: ("pod-a",), 2: ("pod-b",)})
+    async with etcd_store.EtcdStore([etcd_server.endpoint], timeout=10) as other:
+        results = await asyncio.gather(store.publish(*shard, ours, expected=1),
+                                       other.publish(*shard, theirs, expected=1), return_exceptions=True)
+    conflicts = [r for r in results if isinstance(r, etcd_store.GenerationConflictError)]
+    assert len(conflicts) == 1 and results.count(2) == 1, results
+    winner = ours if results[0] == 2 else theirs
+    assert await store.current_generation(*shard) == 2
+    assert await store.read_current(*shard) == winner  # whole, never a mix of both writers' chunks
+    assert not [k for k in await store.keys(*shard) if k.endswith("/writer")]
+
+
 async def test_watch_yields_current_then_each_new_generation(
     store: etcd_store.EtcdStore, shard: tuple[str, str]
 ) -> None:
