@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -119,24 +118,3 @@ class PlacementFollower:
             self.errors[what] = reason
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff)
-
-
-class QuietRepeats(logging.Filter):
-    """Let a logger's first record through, then at most one per ``interval`` seconds.
-
-    etcd3aio's watch reconnects by itself and warns on every attempt (every ≤ 5 s for as long as etcd
-    is away); installed on its logger this keeps an outage to one line a minute.
-    """
-
-    def __init__(self, interval: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
-        self.interval = interval
-        self._clock = clock
-        self._last: float | None = None
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        now = self._clock()
-        if self._last is not None and now - self._last < self.interval:
-            return False
-        self._last = now
-        return True

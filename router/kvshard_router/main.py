@@ -8,10 +8,9 @@ import sys
 
 from aiohttp import web
 
-from kvshard.etcd_store import EtcdStore
+from kvshard.etcd_store import EtcdStore, quiet_watch_reconnects
 from kvshard.settings import SettingsError, describe
 from kvshard_router import settings as router_settings
-from kvshard_router.follower import QuietRepeats
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"kvshard router serve: {error}", file=sys.stderr)
         return 2
     log.info("router settings: %s", describe(settings))
-    logging.getLogger("etcd3aio.watch").addFilter(QuietRepeats())
+    quiet_watch_reconnects()
     store = EtcdStore(settings.etcd_endpoints, username=settings.etcd_username or None,
                       password=settings.etcd_password or None)
     web.run_app(build_app(settings, store), host=settings.host, port=settings.port,

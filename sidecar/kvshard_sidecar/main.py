@@ -23,6 +23,10 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = sidecar_settings.from_args(args)
     log.info("sidecar settings: %s", describe(settings))
+    if settings.etcd_endpoints:
+        from kvshard.etcd_store import quiet_watch_reconnects
+
+        quiet_watch_reconnects()
     app = build_app(SidecarService(settings))
     web.run_app(app, host=settings.host, port=settings.port, print=lambda line: log.info("%s", line),
                 access_log=None, shutdown_timeout=5)

@@ -20,11 +20,11 @@ import pytest
 from router_helpers import FakePod, eventually, metric, post, publish, running_router
 
 from kvshard.datasets import Dataset
-from kvshard.etcd_store import EtcdStore
+from kvshard.etcd_store import EtcdStore, QuietRepeats
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.processes import ManagedProcess, http_ok
 from kvshard.testing_servers import EtcdServer, free_port
-from kvshard_router.follower import PlacementFollower, QuietRepeats
+from kvshard_router.follower import PlacementFollower
 from kvshard_router.policies import RouteRequest
 from kvshard_router.state import RouterState
 from kvshard_router.validation import RequestError, parse_recommend
