@@ -28,6 +28,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from kvshard.processes import http_ok
 
@@ -56,7 +57,45 @@ def etcd_binary() -> str:
     return found
 
 
-class EtcdServer:
+class _LocalServer:
+    """What both servers share: one child process, stopped politely then firmly, used with ``with``."""
+
+    _process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s); its data folder stays for a restart."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=10)
+        self._process = None
+
+    def close(self) -> None:
+        self.stop()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class EtcdServer(_LocalServer):
     """A single-member etcd on loopback with a private data directory."""
 
     def __init__(self, *, data_dir: Path | None = None, start_timeout: float = 20.0) -> None:
@@ -78,10 +117,6 @@ class EtcdServer:
     @property
     def url(self) -> str:
         return f"http://{self.endpoint}"
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def start(self) -> None:
         """Start (or restart) etcd and wait until ``/health`` says it serves requests."""
@@ -123,19 +158,6 @@ class EtcdServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def stop(self) -> None:
-        """Stop etcd (SIGTERM, then SIGKILL); the data directory stays for a restart."""
-        if self._process is None:
-            return
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout=10)
-        self._process = None
-
     def close(self) -> None:
         """Stop etcd and remove the data directory if we created it."""
         self.stop()
@@ -143,14 +165,6 @@ class EtcdServer:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             self._log.unlink(missing_ok=True)
 
-    def __enter__(self) -> EtcdServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 class PrometheusNotInstalledError(FileNotFoundError):
@@ -168,7 +182,7 @@ def prometheus_binary() -> str:
     return found
 
 
-class PrometheusServer:
+class PrometheusServer(_LocalServer):
     """One Prometheus on loopback with the given config file and a private TSDB folder.
 
         with PrometheusServer(config_path) as prom:
@@ -187,15 +201,10 @@ class PrometheusServer:
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="kvshard-prometheus-"))
         self.start_timeout = start_timeout
         self.log_path = self.data_dir / "prometheus.log"
-        self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def start(self) -> None:
         """Start Prometheus and wait until ``/-/ready`` answers."""
@@ -230,30 +239,8 @@ class PrometheusServer:
         with urllib.request.urlopen(request, timeout=5):
             pass
 
-    def stop(self) -> None:
-        if self._process is None:
-            return
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout=10)
-        self._process = None
-
     def close(self) -> None:
         """Stop Prometheus and remove the data folder if we created it."""
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def __enter__(self) -> PrometheusServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-

@@ -27,6 +27,7 @@ import signal
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("kvshard.local.emulator")
 
@@ -43,6 +44,22 @@ def kubeconfig(url: str) -> dict[str, object]:
     }
 
 
+def register_resources(emulator: Any) -> None:
+    """Teach a ``kmock.KubernetesEmulator`` the resources the operator uses (namespaces, pods with
+    status, configmaps, events, CacheShards with status); the operator tests use the same set."""
+    import kmock
+
+    verbs = set(VERBS)
+    emulator.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)
+    emulator.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=verbs,
+                                                       subresources={"status"})
+    emulator.resources["v1/configmaps"] = kmock.ResourceInfo(kind="ConfigMap", namespaced=True, verbs=verbs)
+    emulator.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
+    emulator.resources["kvshard.io/v1alpha1/cacheshards"] = kmock.ResourceInfo(
+        kind="CacheShard", namespaced=True, verbs=verbs, subresources={"status"},
+        shortnames={"cs"}, categories={"kvshard"})
+
+
 async def serve(port: int, config_path: Path | None, host: str = "127.0.0.1",
                 namespaces: Sequence[str] = ("default",)) -> None:
     """Serve the emulator until SIGTERM/SIGINT."""
@@ -53,15 +70,7 @@ async def serve(port: int, config_path: Path | None, host: str = "127.0.0.1",
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     emulator = kmock.KubernetesEmulator()
-    verbs = set(VERBS)
-    emulator.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)
-    emulator.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=verbs,
-                                                       subresources={"status"})
-    emulator.resources["v1/configmaps"] = kmock.ResourceInfo(kind="ConfigMap", namespaced=True, verbs=verbs)
-    emulator.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
-    emulator.resources["kvshard.io/v1alpha1/cacheshards"] = kmock.ResourceInfo(
-        kind="CacheShard", namespaced=True, verbs=verbs, subresources={"status"},
-        shortnames={"cs"}, categories={"kvshard"})
+    register_resources(emulator)
     for namespace in namespaces:
         emulator.objects[kmock.resource("v1/namespaces"), None, namespace] = {
             "apiVersion": "v1", "kind": "Namespace",

@@ -28,11 +28,12 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
+from kvshard.request_errors import RequestError
 from kvshard_router.metrics import NO_POD, RouterMetrics, status_class
 from kvshard_router.policies import POLICIES, LoadTable, RouteRequest, RoutingPolicy
 from kvshard_router.snapshot import Snapshot
 from kvshard_router.state import RouterState
-from kvshard_router.validation import RequestError, parse_recommend
+from kvshard_router.validation import parse_recommend
 
 log = logging.getLogger(__name__)
 

@@ -11,20 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvshard.request_errors import RequestError
 from kvshard_router.policies import RouteRequest
-
-
-class RequestError(ValueError):
-    """A client mistake: answered with ``status`` and a message that names ``field``."""
-
-    def __init__(self, field: str, message: str, status: int = 400) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.status = status
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"field": self.field, "message": self.message}}
 
 
 def _id(value: Any, where: str) -> str:

@@ -22,11 +22,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvshard.request_errors import RequestError
 from kvshard.segments import is_block_key
 from kvshard_sidecar.follower import PlacementFollower
 from kvshard_sidecar.peers import TOKEN_HEADER, bearer
 from kvshard_sidecar.service import SidecarService, WarmUnit
-from kvshard_sidecar.validation import RequestError, parse_prefill, parse_recommend
+from kvshard_sidecar.validation import parse_prefill, parse_recommend
 
 log = logging.getLogger(__name__)
 

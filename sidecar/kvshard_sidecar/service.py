@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from kvshard.datasets import Dataset, Item, load_dataset
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
+from kvshard.request_errors import RequestError
 from kvshard.segments import Prompt
 from kvshard_sidecar.blockstore import BlockStore, encode_block
 from kvshard_sidecar.engine.settings import BlendSettings
@@ -25,7 +26,7 @@ from kvshard_sidecar.exchange import KVExchange
 from kvshard_sidecar.metrics import SidecarMetrics
 from kvshard_sidecar.peers import HoldersOf, PeerFetcher, PlacementHolders, static_holders
 from kvshard_sidecar.settings import SidecarSettings
-from kvshard_sidecar.validation import Limits, RecommendCall, RequestError
+from kvshard_sidecar.validation import Limits, RecommendCall
 from kvshard_sidecar.vllm_client import VllmClient
 
 log = logging.getLogger(__name__)

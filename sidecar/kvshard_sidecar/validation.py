@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvshard.request_errors import RequestError
 from kvshard_sidecar.engine.settings import SELECTORS, BlendSettings, SettingsError
 
 MAX_ID_LENGTH = 256
@@ -21,18 +22,6 @@ BLEND_FIELDS = {"selector", "ratio", "check_layers", "schedule", "boundary_w", "
 RECOMMEND_FIELDS = {"user_id", "history", "candidates", "instruction", "max_tokens", "temperature", "blend", "logprobs"}
 MAX_LOGPROBS = 20
 
-
-class RequestError(ValueError):
-    """A client mistake: answered with ``status`` and a message that names ``field``."""
-
-    def __init__(self, field: str, message: str, status: int = 400) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.status = status
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"field": self.field, "message": self.message}}
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import pytest
 import yaml
+from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvshard import etcd_store
@@ -42,16 +43,6 @@ CORRUPTED = "engine-0"
 
 
 # ----------------------------------------------------------------------------------------- helpers
-
-def wait_until(fact: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fact()
-        if last:
-            return last
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}: last {last!r}")
 
 
 def get_json(url: str) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -11,30 +12,22 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvshard.local import LocalCluster
 from kvshard.local.cluster import process_start_time
 from kvshard.local.kubeapi import condition
+from kvshard.placement_schema import Placement, WarmReport
 from kvshard.processes import http_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 JOBS = {"kvshard-sidecar", "kvshard-router", "kvshard-operator"}
 
-
-def wait_until(fact: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fact()
-        if last:
-            return last
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}: last {last!r}")
 
 
 def get_json(url: str) -> Any:
@@ -66,6 +59,39 @@ def alive(pid: int, start_time: int) -> bool:
 def pgrep(pattern: str) -> list[str]:
     done = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True, check=False)
     return [line for line in done.stdout.splitlines() if "pgrep" not in line]
+
+
+def router_counter(router_url: str, name: str) -> float:
+    """Sum of one router counter over all its labels, read from the router's own /metrics."""
+    with urllib.request.urlopen(router_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name)
+
+
+def replay_against_round_robin(router_url: str, placement: Placement, reports: dict[str, WarmReport],
+                               requests: int) -> tuple[float, float]:
+    """Send ``requests`` requests whose candidates come from one random cluster each (retrieval output is
+    cluster-coherent) through the router, and return the cluster hit ratio the router measured
+    (``cluster_hits_total / cluster_requests_total``) next to the one round-robin would have had on the
+    same requests: request ``j`` on pod ``j mod N``, a hit when that pod reported the cluster warm."""
+    rng = random.Random(7)
+    pods = sorted(placement.pods)
+    hits_before = router_counter(router_url, "kvshard_router_cluster_hits_total")
+    asked_before = router_counter(router_url, "kvshard_router_cluster_requests_total")
+    round_robin_hits = 0
+    for j in range(requests):
+        cluster_id = rng.choice(sorted(placement.assignment))
+        items = placement.items_of(cluster_id)
+        status, _, answer = post(router_url + "/v1/recommend", {
+            "user_id": f"replay-{j}", "history": [], "candidates": rng.sample(items, min(4, len(items))),
+            "max_tokens": 1})
+        assert status == 200, answer
+        round_robin_hits += cluster_id in reports[pods[j % len(pods)]].clusters
+    hits = router_counter(router_url, "kvshard_router_cluster_hits_total") - hits_before
+    asked = router_counter(router_url, "kvshard_router_cluster_requests_total") - asked_before
+    assert asked == requests  # one distinct known cluster per request
+    return hits / asked, round_robin_hits / requests
 
 
 def test_local_cluster_places_scrapes_routes_and_restarts_pods(small_dataset: Path, tmp_path: Path) -> None:
@@ -105,6 +131,11 @@ def test_local_cluster_places_scrapes_routes_and_restarts_pods(small_dataset: Pa
                 "user_id": f"local-test-{pod}", "history": [], "candidates": items[:5], "max_tokens": 4})
             assert status == 200, answer
             assert cluster_id in reports[headers["X-Kvshard-Pod"]].clusters, (pod, cluster_id, headers)
+
+        # the same requests: the router's cluster hits vs what round-robin would have had
+        affinity, round_robin = replay_against_round_robin(cluster.router_url, placement, reports, requests=16)
+        print(f"cluster hit ratio on 16 requests: affinity {affinity:.2f}, round-robin {round_robin:.2f}")
+        assert affinity >= 0.9 and affinity > round_robin + 0.2, (affinity, round_robin)
 
         # a crashed sidecar: the kubelet marks its pod not Ready, restarts it, and it warms again
         first = placement.generation

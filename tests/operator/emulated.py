@@ -8,17 +8,14 @@ import asyncio
 import json
 import os
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
+from kvshard.local.emulator import register_resources
 
-VERBS = {"list", "watch", "get", "patch", "create", "delete", "update"}
 CACHESHARDS = "/apis/kvshard.io/v1alpha1/namespaces/{ns}/cacheshards"
 PODS = "/api/v1/namespaces/{ns}/pods"
 CONFIGMAPS = "/api/v1/namespaces/{ns}/configmaps"
@@ -44,14 +41,7 @@ class EmulatedCluster:
 
         self._stop = asyncio.Event()
         emulator = kmock.KubernetesEmulator()
-        emulator.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
-        emulator.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS,
-                                                           subresources={"status"})
-        emulator.resources["v1/configmaps"] = kmock.ResourceInfo(kind="ConfigMap", namespaced=True, verbs=VERBS)
-        emulator.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=VERBS)
-        emulator.resources["kvshard.io/v1alpha1/cacheshards"] = kmock.ResourceInfo(
-            kind="CacheShard", namespaced=True, verbs=VERBS, subresources={"status"},
-            shortnames={"cs"}, categories={"kvshard"})
+        register_resources(emulator)
         async with emulator, kmock.Server(emulator) as server:
             self.url = str(server.url).rstrip("/")
             self._ready.set()
@@ -138,16 +128,5 @@ def condition(obj: Any, type_: str) -> dict[str, Any]:
             return dict(c)
     return {}
 
-
-def wait_until(fact: Callable[[], Any], *, timeout: float = 30.0, what: str = "") -> Any:
-    """Poll ``fact`` until it returns something truthy; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fact()
-        if last:
-            return last
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what or fact}: last {last!r}")
 
 

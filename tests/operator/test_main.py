@@ -8,7 +8,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from emulated import EmulatedCluster, condition, wait_until
+from emulated import EmulatedCluster, condition
+from polling import wait_until
 
 from kvshard.testing_servers import EtcdServer, free_port
 from kvshard_operator import main as operator_main

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from emulated import EmulatedCluster, condition, wait_until
+from emulated import EmulatedCluster, condition
 from kopf.testing import KopfRunner
+from polling import wait_until
 
 from kvshard import etcd_store
 from kvshard import placement_schema as ps

@@ -12,8 +12,9 @@ from typing import Any
 
 import etcd3aio
 import pytest
-from emulated import EmulatedCluster, condition, wait_until
+from emulated import EmulatedCluster, condition
 from kopf.testing import KopfRunner
+from polling import wait_until
 from traffic import Traffic, running_prometheus, wait_scraped
 
 from kvshard import etcd_store

@@ -142,7 +142,7 @@ def running_prometheus(config: str, directory: Path) -> Iterator[PrometheusServe
 def wait_scraped(url: str, seconds: float, targets: int) -> None:
     """Block until Prometheus holds ``seconds`` worth of scrapes of all ``targets`` (so a rate over
     that window is a full-window rate, not the first two samples)."""
-    from emulated import wait_until
+    from polling import wait_until
 
     from kvshard_operator.prometheus import PrometheusClient
 

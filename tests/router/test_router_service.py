@@ -23,11 +23,12 @@ from kvshard.datasets import Dataset
 from kvshard.etcd_store import EtcdStore, QuietRepeats
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.processes import ManagedProcess, http_ok
+from kvshard.request_errors import RequestError
 from kvshard.testing_servers import EtcdServer, free_port
 from kvshard_router.follower import PlacementFollower
 from kvshard_router.policies import RouteRequest
 from kvshard_router.state import RouterState
-from kvshard_router.validation import RequestError, parse_recommend
+from kvshard_router.validation import parse_recommend
 
 ITEMS = {**{f"a{i}": 0 for i in range(8)}, **{f"b{i}": 1 for i in range(8)}}
 A_ITEMS = ["a0", "a1", "a2", "a3"]

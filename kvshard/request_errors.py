@@ -1,0 +1,23 @@
+"""The one shape of a client mistake, shared by every HTTP API (router and sidecar).
+
+A rejected request is answered ``{"error": {"field": ..., "message": ...}}`` with a 4xx status, the
+field as a JSON path (``candidates[3]``), so a client learns exactly what to fix whichever component
+refused it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RequestError(ValueError):
+    """A client mistake: answered with ``status`` and a message that names ``field``."""
+
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.status = status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"field": self.field, "message": self.message}}
