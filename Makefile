@@ -20,7 +20,7 @@ all: test
 help:  ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-system-deps:  ## Install Debian packages the tests start (etcd; prometheus for promtool)
+system-deps:  ## Install Debian packages the tests and the local cluster start (etcd, prometheus)
 	@if ! command -v etcd >/dev/null || ! command -v promtool >/dev/null; then \
 	  echo "installing $(APT_PACKAGES) (apt)"; \
 	  $(SUDO) apt-get update -qq && \
