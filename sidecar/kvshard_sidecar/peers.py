@@ -82,7 +82,7 @@ class PeerFetcher:
 
 
 def static_holders(peers: Sequence[str]) -> HoldersOf:
-    """Every listed peer may hold every block (until placement says who holds what)."""
+    """Every listed peer may hold every block (`--peers`, when the sidecar does not follow placement)."""
     frozen = tuple(p.rstrip("/") for p in peers)
     return lambda key: frozen
 

@@ -1,4 +1,4 @@
-"""The sidecar's KV block store: per-segment KV blocks in memory, on disk, and (later) on peers.
+"""The sidecar's KV block store: per-segment KV blocks in memory, on disk, and on peers.
 
 Everything a caller needs is re-exported here; the modules behind it are small and layered:
 ``block`` (the unit) → ``codec`` (checked bytes) → ``memory`` / ``disk`` (tiers) → ``store``.

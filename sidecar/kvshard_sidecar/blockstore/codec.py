@@ -1,6 +1,6 @@
 """Encode a KV block to self-checking safetensors bytes, and decode them back.
 
-The same bytes are written to the disk tier and (later) sent to peer sidecars over HTTP, so the
+The same bytes are written to the disk tier and sent to peer sidecars over HTTP, so the
 codec knows nothing about files. A block read back must never be served if anything about it
 changed, so ``__metadata__`` carries a BLAKE3 checksum over the tensor descriptions (name, dtype,
 shape) *and* the tensor bytes, plus the block key and a format version. BLAKE3 rather than blake2b

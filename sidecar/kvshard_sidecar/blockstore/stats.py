@@ -1,6 +1,6 @@
 """Names and counters shared by every tier of the block store.
 
-They live apart from the tiers so the memory tier, the disk tier, the store and (later) the peer
+They live apart from the tiers so the memory tier, the disk tier, the store, the peer
 tier and the metrics exporter all speak the same vocabulary without importing each other.
 """
 
