@@ -30,12 +30,17 @@ Hysteresis: replicate above θ, drop only to at most ``cold_percent`` < θ and o
 below ``settle_percent`` < ``imbalance_percent``; so on steady load the policy reaches a fixed point
 and does nothing further. Replica additions (replicate, move) count against ``move_budget`` — each is a
 cache warm-up; drops against ``drop_budget``.
+
+Counting noise: given ``window_seconds``, "above the threshold" means above it by ``noise_sigmas``
+standard deviations of a Poisson count over the window, so a quiet shard (a few requests per pod per
+window) is not reshuffled by chance skew, while a real burst, many sigmas out, still is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Literal
 
@@ -65,6 +70,13 @@ class RebalanceSettings:
     """Pods whose cache hit ratio is below this percent receive no new replicas (cache under pressure)."""
     cooldown_intervals: int = 2
     """A cluster that gained or moved a replica is not dropped or moved again for this many intervals."""
+    window_seconds: int = 0
+    """Length of the window the rates were measured over. With it, a cluster or pod counts as hot only
+    if it exceeds its threshold by ``noise_sigmas`` standard deviations of a Poisson count over that
+    window: at a few requests per window most of the measured skew is noise, and acting on it would
+    replicate clusters back and forth. 0 compares the rates as they are."""
+    noise_sigmas: int = 2
+    """How many standard deviations of counting noise a hot cluster or pod must stand out by."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.cold_percent < self.hot_percent:
@@ -73,6 +85,8 @@ class RebalanceSettings:
             raise ValueError("need 100 <= settle_percent <= imbalance_percent")
         if self.move_budget < 0 or self.drop_budget < 0:
             raise ValueError("budgets must be >= 0")
+        if self.window_seconds < 0 or self.noise_sigmas < 0:
+            raise ValueError("window_seconds and noise_sigmas must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +141,12 @@ class _Plan:
             for p in holders:
                 self.load[p] += self.share(c)
         observed = sum(max(0.0, s.load) for s in pods.values())
+        self.scale = 1.0
+        """Rate units per observed load unit (1 when the loads are predicted from the rates)."""
         if observed > 0:  # start from what was measured, in the same units as the rates
-            scale = sum(self.load.values()) / observed
+            self.scale = sum(self.load.values()) / observed
             for p, s in pods.items():
-                self.load[p] = max(0.0, s.load) * scale
+                self.load[p] = max(0.0, s.load) * self.scale
 
     def share(self, c: int, replicas: int | None = None) -> float:
         n = len(self.holders[c]) if replicas is None else replicas
@@ -188,6 +204,20 @@ def rebalance(
     }
     budget = settings.move_budget
 
+    def sigma(count_rate: float) -> float:
+        """``noise_sigmas`` standard deviations of a rate measured as a Poisson count over the window."""
+        if settings.window_seconds <= 0 or count_rate <= 0:
+            return 0.0
+        return settings.noise_sigmas * math.sqrt(count_rate / settings.window_seconds)
+
+    def hot_share(c: int) -> float:
+        """Cluster ``c``'s rate per replica, less its counting noise."""
+        return plan.share(c) - sigma(plan.rates[c]) / max(1, len(plan.holders[c]))
+
+    def pod_excess(p: str) -> float:
+        """Pod ``p``'s load less its counting noise (loads are observed counts rescaled to rate units)."""
+        return plan.load[p] - plan.scale * sigma(plan.load[p] / plan.scale)
+
     def target_for(c: int) -> str | None:
         free = [p for p in eligible if p not in plan.holders[c]]
         return min(free, key=lambda p: (plan.load[p], p)) if free else None
@@ -196,7 +226,7 @@ def rebalance(
         return any(q != pod and c in warm.get(q, ()) for q in plan.holders[c])
 
     # 1. hot clusters: one replica at a time, hottest per-replica rate first.
-    heap = [(-plan.share(c), c) for c in plan.holders if plan.holders[c] and plan.share(c) > hot_rate]
+    heap = [(-plan.share(c), c) for c in plan.holders if plan.holders[c] and hot_share(c) > hot_rate]
     heapq.heapify(heap)
     while heap and budget > 0:
         _, c = heapq.heappop(heap)
@@ -208,14 +238,14 @@ def rebalance(
         last_change[c] = interval
         actions.append(Action("replicate", c, target, None,
                               f"HotCluster: {before:.3g}/replica > θ={settings.hot_percent}% of mean {mean_rate:.3g}"))
-        if plan.share(c) > hot_rate:
+        if hot_share(c) > hot_rate:
             heapq.heappush(heap, (-plan.share(c), c))
 
     # 2. hot pods: strictly lower the maximum each step.
     while budget > 0:
         mean_load = plan.mean_load()
         hottest = max(plan.load, key=lambda p: (plan.load[p], p), default=None)
-        if hottest is None or plan.load[hottest] <= mean_load * settings.imbalance_percent / 100:
+        if hottest is None or pod_excess(hottest) <= mean_load * settings.imbalance_percent / 100:
             break
         best: tuple[float, int, ActionKind, int, str] | None = None
         for c in (c for c, h in plan.holders.items() if hottest in h and plan.rates[c] > 0):

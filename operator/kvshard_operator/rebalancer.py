@@ -77,12 +77,13 @@ def due(state: ShardState, status: Mapping[str, Any], interval_seconds: float, n
     return last is None or now - last >= interval_seconds - slack_seconds
 
 
-def policy_settings(rebalance_spec: Mapping[str, Any]) -> RebalanceSettings:
+def policy_settings(rebalance_spec: Mapping[str, Any], window_seconds: float = 0.0) -> RebalanceSettings:
     """The policy knobs a CacheShard sets (``hotThresholdPercent``, ``maxMovesPerInterval``, which
-    bounds additions and drops alike); the rest keep the policy's defaults."""
+    bounds additions and drops alike) and the Prometheus window the rates come from (so counting noise
+    is not mistaken for heat); the rest keep the policy's defaults."""
     budget = int(rebalance_spec.get("maxMovesPerInterval", 10))
     return RebalanceSettings(hot_percent=int(rebalance_spec.get("hotThresholdPercent", 200)),
-                             move_budget=budget, drop_budget=budget)
+                             move_budget=budget, drop_budget=budget, window_seconds=round(window_seconds))
 
 
 def summarize(actions: Sequence[Action]) -> str:
@@ -203,7 +204,7 @@ async def rebalance_shard(
             pods = {p: PodStats(load=heat.pod_load.get(p, 0.0), hit_ratio=heat.pod_hit_ratio.get(p, 1.0))
                     for p in current.pods}
             warm = {p: set(r.clusters) for p, r in reports.items() if p in pods}
-            result = rebalance(heat.cluster_rates, pods, current.assignment, warm, policy_settings(config),
+            result = rebalance(heat.cluster_rates, pods, current.assignment, warm, policy_settings(config, window),
                                state.rebalance)
             if not result.actions:
                 state.rebalance = result.state

@@ -177,3 +177,26 @@ def test_any_interval_keeps_a_warm_replica_of_every_cluster_that_had_one(
         if had_warm:
             assert any(c in warm.get(p, ()) for p in result.assignment[c])
         assert result.assignment[c]
+
+
+def test_chance_skew_at_a_few_requests_per_window_is_left_alone_but_a_burst_is_not() -> None:
+    # 3 pods, two clusters each, 15 s windows at ~1 request/s per pod: 20 vs 15 vs 10 requests is
+    # what Poisson counting gives by chance (the busiest pod at 133 % of the mean).
+    pods = ("a", "b", "c")
+    assignment = {c: (pods[c % 3],) for c in range(6)}
+    warm = {p: {c for c in range(6) if pods[c % 3] == p} for p in pods}
+    window = 15
+
+    def measured(counts: dict[str, int]) -> tuple[dict[int, float], dict[str, PodStats]]:
+        rates = {c: counts[pods[c % 3]] / 2 / window for c in range(6)}
+        return rates, {p: PodStats(load=counts[p] / window) for p in pods}
+
+    chance, chance_stats = measured({"a": 20, "b": 15, "c": 10})
+    noisy = RebalanceSettings(cooldown_intervals=0, window_seconds=window)
+    assert rebalance(chance, chance_stats, assignment, warm, noisy).actions == []
+    # Without the window the same numbers look like a hot pod.
+    assert rebalance(chance, chance_stats, assignment, warm, RebalanceSettings(cooldown_intervals=0)).actions
+    # A real burst is many standard deviations out and is acted on even with the window.
+    burst_rates, burst_stats = measured({"a": 90, "b": 15, "c": 10})
+    actions = rebalance(burst_rates, burst_stats, assignment, warm, noisy).actions
+    assert actions and all(a.pod != "a" and a.cluster in (0, 3) for a in actions)
