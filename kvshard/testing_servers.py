@@ -17,6 +17,7 @@ rates from a real one, and ``kvshard up`` runs one scraping every process it sta
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import shutil
@@ -57,7 +58,7 @@ def etcd_binary() -> str:
     return found
 
 
-class _LocalServer:
+class _LocalServer(abc.ABC):
     """What both servers share: one child process, stopped politely then firmly, used with ``with``."""
 
     _process: subprocess.Popen[bytes] | None = None
@@ -66,8 +67,9 @@ class _LocalServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @abc.abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Start the server and wait until it answers."""
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s); its data folder stays for a restart."""

@@ -22,13 +22,12 @@ CacheShard's lock, so a rebalance never interleaves with a pod- or spec-triggere
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import datetime
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvshard import etcd_store
@@ -37,10 +36,9 @@ from kvshard.rebalance import Action, PodStats, RebalanceSettings, rebalance
 from kvshard_operator import conditions as cond
 from kvshard_operator import metrics, validation
 from kvshard_operator.prometheus import Heat, PrometheusClient, PrometheusError
-from kvshard_operator.reconcile import ShardState
+from kvshard_operator.reconcile import SecretReader, ShardState, etcd_credentials
 from kvshard_operator.settings import Settings
 
-SecretReader = Callable[[str, str], tuple[str, str]]
 HEAT_TTL_INTERVALS = 10
 """Heat snapshots live this many intervals (etcd deletes them with their lease)."""
 _LISTED_ACTIONS = 8
@@ -169,16 +167,11 @@ async def rebalance_shard(
                         published=published)
         return RebalanceOutcome(outcome, message, patch, published=published, **extra)
 
-    username = password = None
-    ref = spec["etcd"].get("secretRef")
-    if ref:
-        try:
-            if read_secret is None:
-                raise ValueError("no API access to read the etcd Secret")
-            username, password = await asyncio.to_thread(read_secret, namespace, ref["name"])
-        except ValueError as exc:
-            state.rebalanced_at = at
-            return finish("EtcdUnavailable", cond.FALSE, f"cannot read etcd credentials: {exc}", stamp=False)
+    try:
+        username, password = await etcd_credentials(spec, namespace, read_secret)
+    except ValueError as exc:
+        state.rebalanced_at = at
+        return finish("EtcdUnavailable", cond.FALSE, f"cannot read etcd credentials: {exc}", stamp=False)
 
     store = etcd_store.EtcdStore(spec["etcd"]["endpoints"], username=username, password=password,
                                  timeout=settings.etcd_timeout_seconds, attempts=1)

@@ -106,6 +106,17 @@ def _cluster_bytes(cat: catalogs.Catalog, labels: Mapping[str, int], bytes_per_t
     return {c: int(b) for c, b in enumerate(sizes)}
 
 
+async def etcd_credentials(spec: Mapping[str, Any], namespace: str,
+                           read_secret: SecretReader | None) -> tuple[str | None, str | None]:
+    """``(username, password)`` from the Secret ``spec.etcd.secretRef`` names, ``(None, None)`` without
+    one; ValueError when it cannot be read (no API access, missing Secret or keys)."""
+    ref = spec["etcd"].get("secretRef")
+    if not ref:
+        return None, None
+    if read_secret is None:
+        raise ValueError("no API access to read the etcd Secret")
+    return await asyncio.to_thread(read_secret, namespace, ref["name"])
+
 async def reconcile(
     *,
     namespace: str,
@@ -143,16 +154,11 @@ async def reconcile(
         metrics.INVALID.labels(exc.reason).inc()
         return Outcome(_fail(status, generation, exc.reason, str(exc)), reason=exc.reason)
 
-    username = password = None
-    secret_ref = spec["etcd"].get("secretRef")
-    if secret_ref:
-        try:
-            if read_secret is None:
-                raise ValueError("no API access to read the etcd Secret")
-            username, password = await asyncio.to_thread(read_secret, namespace, secret_ref["name"])
-        except ValueError as exc:
-            metrics.INVALID.labels("EtcdSecretInvalid").inc()
-            return Outcome(_fail(status, generation, "EtcdSecretInvalid", str(exc)), reason="EtcdSecretInvalid")
+    try:
+        username, password = await etcd_credentials(spec, namespace, read_secret)
+    except ValueError as exc:
+        metrics.INVALID.labels("EtcdSecretInvalid").inc()
+        return Outcome(_fail(status, generation, "EtcdSecretInvalid", str(exc)), reason="EtcdSecretInvalid")
 
     capacity = placement.parse_bytes(spec["capacityPerPod"])
     history = spec.get("userHistory") or {"policy": "ReplicateAll"}
