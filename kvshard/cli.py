@@ -104,34 +104,37 @@ def _add_sidecar_demo_command(sidecar_sub: Any) -> None:
     demo.set_defaults(handler=_lazy("kvshard_sidecar.demo", "run"))
 
 
-def _add_sidecar_commands(sub: Any) -> None:
-    sidecar = sub.add_parser("sidecar", help="the data plane beside vLLM in each pod",
-                             description="The kvshard sidecar: block store, blend engine, HTTP API.")
-    sidecar_sub = sidecar.add_subparsers(dest="sidecar_command", required=True, metavar="COMMAND")
-    serve = sidecar_sub.add_parser(
-        "serve", help="serve /v1/recommend, peer block fetch, /metrics and health checks",
-        description="Serve the sidecar HTTP API. Every flag can also be set by its KVSHARD_SIDECAR_* "
-        "environment variable; flags win.")
-    from kvshard_sidecar.settings import add_arguments  # torch-free: only the settings dataclass
+def _add_component(sub: Any, name: str, help: str, description: str, *, verb: str, verb_help: str,
+                   env: str, arguments: str, handler: tuple[str, str]) -> Any:
+    """``kvshard <name> <verb>`` for one component: its flags come from ``arguments`` (a module with a
+    light ``add_arguments``: no torch, no kopf) and every flag also reads ``KVSHARD_<env>_*``. Returns the
+    component's subparsers so more verbs can be added."""
+    parser = sub.add_parser(name, help=help, description=description)
+    verbs = parser.add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
+    command = verbs.add_parser(verb, help=verb_help, description=f"{verb_help[0].upper()}{verb_help[1:]}. Every flag "
+                               f"can also be set by its KVSHARD_{env}_* environment variable; flags win.")
+    importlib.import_module(arguments).add_arguments(command)
+    command.set_defaults(handler=_lazy(*handler))
+    return verbs
 
-    add_arguments(serve)
-    serve.set_defaults(handler=_lazy("kvshard_sidecar.main", "serve"))
-    _add_sidecar_demo_command(sidecar_sub)
 
-
-def _add_router_commands(sub: Any) -> None:
-    router = sub.add_parser("router", help="the stateless request router in front of the pods",
-                            description="The kvshard router: follows placement in etcd and sends each request "
-                            "to the pod holding most of its blocks.")
-    router_sub = router.add_subparsers(dest="router_command", required=True, metavar="COMMAND")
-    serve = router_sub.add_parser(
-        "serve", help="route /v1/recommend to the pods by placement; /v1/placement, /metrics, health checks",
-        description="Serve the router HTTP API. Every flag can also be set by its KVSHARD_ROUTER_* "
-        "environment variable; flags win.")
-    from kvshard_router.settings import add_arguments  # torch-free: the settings dataclass and numpy
-
-    add_arguments(serve)
-    serve.set_defaults(handler=_lazy("kvshard_router.main", "serve"))
+def _add_component_commands(sub: Any) -> None:
+    sidecar = _add_component(
+        sub, "sidecar", "the data plane beside vLLM in each pod",
+        "The kvshard sidecar: block store, blend engine, HTTP API.",
+        verb="serve", verb_help="serve /v1/recommend, peer block fetch, /metrics and health checks", env="SIDECAR",
+        arguments="kvshard_sidecar.settings", handler=("kvshard_sidecar.main", "serve"))
+    _add_sidecar_demo_command(sidecar)
+    _add_component(
+        sub, "router", "the stateless request router in front of the pods",
+        "The kvshard router: follows placement in etcd and sends each request to the pod holding most of its blocks.",
+        verb="serve", verb_help="route /v1/recommend to the pods by placement; /v1/placement, /metrics, health checks",
+        env="ROUTER", arguments="kvshard_router.settings", handler=("kvshard_router.main", "serve"))
+    _add_component(
+        sub, "operator", "the control plane (kopf operator for CacheShard)",
+        "The kvshard operator: places item clusters onto pods and publishes placement to etcd.",
+        verb="run", verb_help="watch CacheShards and pods in $KUBECONFIG or in-cluster; place, publish to etcd, "
+        "report status", env="OPERATOR", arguments="kvshard_operator.main", handler=("kvshard_operator.main", "main"))
 
 
 def _add_local_commands(sub: Any) -> None:
@@ -147,21 +150,6 @@ def _add_local_commands(sub: Any) -> None:
                           description="Ask the `kvshard up` of a run folder to stop, wait, then kill whatever it left.")
     add_down_arguments(down)
     down.set_defaults(handler=_lazy("kvshard.local.cli", "down"))
-
-
-def _add_operator_commands(sub: Any) -> None:
-    operator = sub.add_parser("operator", help="the control plane (kopf operator for CacheShard)",
-                              description="The kvshard operator: places item clusters onto pods and "
-                              "publishes placement to etcd.")
-    operator_sub = operator.add_subparsers(dest="operator_command", required=True, metavar="COMMAND")
-    run = operator_sub.add_parser(
-        "run", help="watch CacheShards and pods; place, publish to etcd, report status",
-        description="Run the operator (kopf) against the cluster in $KUBECONFIG or in-cluster. Every flag can "
-        "also be set by its KVSHARD_OPERATOR_* environment variable; flags win.")
-    from kvshard_operator.main import add_arguments  # kopf is imported only when it runs
-
-    add_arguments(run)
-    run.set_defaults(handler=_lazy("kvshard_operator.main", "main"))
 
 
 def _add_bench_commands(sub: Any, argv: Sequence[str]) -> None:
@@ -226,9 +214,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_model_commands(sub)
     _add_demo_command(sub)
-    _add_sidecar_commands(sub)
-    _add_router_commands(sub)
-    _add_operator_commands(sub)
+    _add_component_commands(sub)
     _add_local_commands(sub)
     _add_bench_commands(sub, argv)
     return parser

@@ -117,6 +117,7 @@ async def etcd_credentials(spec: Mapping[str, Any], namespace: str,
         raise ValueError("no API access to read the etcd Secret")
     return await asyncio.to_thread(read_secret, namespace, ref["name"])
 
+
 async def reconcile(
     *,
     namespace: str,
