@@ -42,6 +42,18 @@ _ERRORS = (etcd3aio.EtcdError, grpc.aio.AioRpcError, TimeoutError, OSError)
 _AUTH_DETAILS = re.compile(r"user name is empty|authentication failed|invalid auth token|permission denied")
 _UNAVAILABLE = (etcd3aio.EtcdConnectionError, etcd3aio.EtcdTransientError, TimeoutError, OSError)
 
+# gRPC shares one subchannel per address across all channels of a process and, after a refused
+# connection, backs off reconnecting for up to 120 s. So a store opened right after etcd came back
+# could inherit a sibling's backoff and fail at once with "connections to all backends failing", and a
+# long-lived store could take minutes to notice etcd is back. Each store keeps its own subchannels and
+# retries a refused connection within 2 s.
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
 
 class EtcdStoreError(Exception):
     """Base of every error this module raises."""
@@ -109,6 +121,7 @@ class EtcdStore:
         self._username = username
         self._password = password
         self._client = etcd3aio.Etcd3Client(self.endpoints, rpc_max_attempts=attempts)
+        self._client._manager.grpc_options.extend(_CHANNEL_OPTIONS)  # etcd3aio has no channel-options argument
         self._connected = False
 
     async def connect(self) -> None:

@@ -175,6 +175,25 @@ async def test_etcd_down_is_a_typed_error_and_current_stays_complete(tmp_path: o
             assert await store.read_current("ns", "x") == placement(1)
 
 
+async def test_a_store_opened_after_an_outage_reads_at_once_while_another_store_was_failing() -> None:
+    # gRPC shares connections per address across a process; a store that kept failing during the outage
+    # must not hand its reconnect backoff to a store opened once etcd is back (the rebalancer opens one
+    # per interval).
+    with EtcdServer() as server:
+        async with etcd_store.EtcdStore([server.endpoint], timeout=1, attempts=1) as long_lived:
+            await long_lived.publish("ns", "outage", placement(1), expected=0)
+            server.stop()
+            for _ in range(20):
+                with pytest.raises(etcd_store.EtcdUnavailableError):
+                    await long_lived.read_current("ns", "outage")
+                await asyncio.sleep(0.3)
+            server.start()
+            async with etcd_store.EtcdStore([server.endpoint], timeout=1, attempts=1) as fresh:
+                assert await fresh.current_generation("ns", "outage") == 1
+            await etcd_store.wait_for(long_lived, timeout=5)
+            assert await long_lived.current_generation("ns", "outage") == 1
+
+
 async def test_store_authenticates_with_username_and_password() -> None:
     import etcd3aio
 
