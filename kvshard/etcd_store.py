@@ -46,11 +46,11 @@ _UNAVAILABLE = (etcd3aio.EtcdConnectionError, etcd3aio.EtcdTransientError, Timeo
 # connection, backs off reconnecting for up to 120 s. So a store opened right after etcd came back
 # could inherit a sibling's backoff and fail at once with "connections to all backends failing", and a
 # long-lived store could take minutes to notice etcd is back. Each store keeps its own subchannels and
-# retries a refused connection within 2 s.
+# retries a refused connection within 2 s. (Not ``grpc.min_reconnect_backoff_ms``: gRPC reads it as the
+# connect timeout, and 200 ms would fail handshakes with a slow or briefly frozen etcd.)
 _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
