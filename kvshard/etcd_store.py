@@ -252,29 +252,48 @@ class EtcdStore:
         reading the previous one)."""
         oldest_kept = newest - KEEP_GENERATIONS + 1
         base = shard_prefix(namespace, name) + "gen/"
-        resp = await self._call("list", self._kv.get(base, range_end=etcd3aio.prefix_range_end(base),
-                                                     keys_only=True, timeout=self.timeout))
+        resp = await self._range("list", base, keys_only=True)
         stale = {int(kv.key.decode()[len(base):].split("/", 1)[0]) for kv in resp.kvs}
         for g in sorted(x for x in stale if x < oldest_kept):
             prefix = generation_prefix(namespace, name, g)
             await self._call("prune", self._kv.delete(prefix, range_end=etcd3aio.prefix_range_end(prefix),
                                                       timeout=self.timeout))
 
-    async def read_generation(self, namespace: str, name: str, generation: int) -> ps.Placement:
-        """One stored generation, whole (raises :class:`ps.PlacementFormatError` if incomplete)."""
+    async def read_generation(self, namespace: str, name: str, generation: int, *, revision: int = 0) -> ps.Placement:
+        """One stored generation, whole (raises :class:`ps.PlacementFormatError` if incomplete).
+
+        ``revision`` reads it as etcd held it then (0: now). :meth:`read_current` and
+        :meth:`watch_current` pass the revision at which ``current`` named the generation, so a reader
+        never loses it to a prune by writers publishing two more generations in between. Should etcd
+        have compacted that revision away, the generation is read as it is now.
+        """
         prefix = generation_prefix(namespace, name, generation)
-        resp = await self._call("read", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
-                                                     timeout=self.timeout))
+        try:
+            resp = await self._range("read", prefix, revision)
+        except EtcdStoreError as exc:
+            cause = exc.__cause__
+            if not (revision and isinstance(cause, grpc.aio.AioRpcError)
+                    and cause.code() == grpc.StatusCode.OUT_OF_RANGE):
+                raise
+            resp = await self._range("read", prefix, 0)
         values = {kv.key.decode()[len(prefix):]: bytes(kv.value) for kv in resp.kvs}
         if "assignment" not in values:
             raise ps.PlacementFormatError(f"{namespace}/{name} has no generation {generation}")
         chunks = [values[k] for k in sorted(k for k in values if k.startswith("items/"))]
         return ps.decode(values["assignment"], chunks)
 
+    async def _range(self, what: str, prefix: str, revision: int = 0, *, keys_only: bool = False) -> Any:
+        """Every key under ``prefix`` (at ``revision``; 0: now)."""
+        return await self._call(what, self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
+                                                   revision=revision, keys_only=keys_only, timeout=self.timeout))
+
     async def read_current(self, namespace: str, name: str) -> ps.Placement | None:
-        """The current placement, or None before the first publish."""
-        generation = await self.current_generation(namespace, name)
-        return await self.read_generation(namespace, name, generation) if generation else None
+        """The current placement, or None before the first publish; one consistent snapshot (the
+        generation is read at the revision ``current`` was read at)."""
+        resp = await self._call("read", self._kv.get(current_key(namespace, name), timeout=self.timeout))
+        if not resp.kvs:
+            return None
+        return await self.read_generation(namespace, name, int(resp.kvs[0].value), revision=resp.header.revision)
 
     async def watch_current(self, namespace: str, name: str) -> AsyncIterator[ps.Placement]:
         """Yield the current placement (if any) and then every newly published one; the router and
@@ -283,7 +302,7 @@ class EtcdStore:
         resp = await self._call("read", self._kv.get(ckey, timeout=self.timeout))
         last = int(resp.kvs[0].value) if resp.kvs else 0
         if last:
-            yield await self.read_generation(namespace, name, last)
+            yield await self.read_generation(namespace, name, last, revision=resp.header.revision)
         watch = self._client.watch
         assert watch is not None
         try:
@@ -294,7 +313,7 @@ class EtcdStore:
                     generation = int(event.kv.value)
                     if generation > last:
                         last = generation
-                        yield await self.read_generation(namespace, name, generation)
+                        yield await self.read_generation(namespace, name, generation, revision=event.kv.mod_revision)
         except _ERRORS as exc:
             raise EtcdUnavailableError(f"etcd watch failed: {exc}") from exc
 
@@ -308,8 +327,7 @@ class EtcdStore:
     async def keys(self, namespace: str, name: str) -> list[str]:
         """Every key of one CacheShard, sorted (for inspection and tests)."""
         prefix = shard_prefix(namespace, name)
-        resp = await self._call("list", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
-                                                     keys_only=True, timeout=self.timeout))
+        resp = await self._range("list", prefix, keys_only=True)
         return sorted(kv.key.decode() for kv in resp.kvs)
 
     # ---------------------------------------------------------------------------------- heat, warm
@@ -330,8 +348,7 @@ class EtcdStore:
     async def read_heat(self, namespace: str, name: str) -> list[tuple[float, dict[str, Any]]]:
         """Live heat snapshots, oldest first, as ``(unix seconds, snapshot)``."""
         prefix = heat_prefix(namespace, name)
-        resp = await self._call("read", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
-                                                     timeout=self.timeout))
+        resp = await self._range("read", prefix)
         out = [(int(kv.key.decode()[len(prefix):]) / 1000, json.loads(kv.value)) for kv in resp.kvs]
         return sorted(out, key=lambda pair: pair[0])
 
@@ -343,8 +360,7 @@ class EtcdStore:
         """Pod → its last warm report; the router moves traffic only to warm replicas. Unreadable
         reports are skipped (a reader never fails because one pod wrote garbage)."""
         prefix = shard_prefix(namespace, name) + "warm/"
-        resp = await self._call("read", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
-                                                     timeout=self.timeout))
+        resp = await self._range("read", prefix)
         out: dict[str, ps.WarmReport] = {}
         for kv in resp.kvs:
             try:
@@ -357,8 +373,7 @@ class EtcdStore:
         """Yield the whole warm map now and again after every change (a pod reported or left);
         the router moves traffic to a new replica only once it shows up here."""
         prefix = shard_prefix(namespace, name) + "warm/"
-        resp = await self._call("read", self._kv.get(prefix, range_end=etcd3aio.prefix_range_end(prefix),
-                                                     timeout=self.timeout))
+        resp = await self._range("read", prefix)
         yield await self.read_warm(namespace, name)
         watch = self._client.watch
         assert watch is not None

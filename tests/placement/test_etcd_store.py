@@ -117,6 +117,34 @@ async def test_watch_yields_current_then_each_new_generation(
     assert seen == [1, 2, 3]
 
 
+async def test_a_slow_watcher_still_gets_every_generation_whole_after_it_was_pruned(
+    store: etcd_store.EtcdStore, shard: tuple[str, str]
+) -> None:
+    await store.publish(*shard, placement(1), expected=0)
+    watcher = store.watch_current(*shard)
+    assert (await anext(watcher)).generation == 1
+    for g in (2, 3, 4):  # publishing 4 prunes 2 before the watcher gets to it
+        await store.publish(*shard, placement(g, items=20 + g), expected=g - 1)
+    assert not [k for k in await store.keys(*shard) if "/gen/2/" in k]
+    caught_up = [await asyncio.wait_for(anext(watcher), timeout=10) for _ in range(3)]
+    assert caught_up == [placement(g, items=20 + g) for g in (2, 3, 4)]
+    await watcher.aclose()
+
+
+async def test_a_generation_read_at_a_compacted_revision_is_read_as_it_is_now(
+    etcd_server: EtcdServer, store: etcd_store.EtcdStore, shard: tuple[str, str]
+) -> None:
+    import etcd3aio
+
+    await store.publish(*shard, placement(1), expected=0)
+    async with etcd3aio.Etcd3Client([etcd_server.endpoint]) as admin:
+        assert admin.kv is not None
+        then = (await admin.kv.get("any")).header.revision
+        await store.publish(*shard, placement(2), expected=1)
+        await admin.kv.compact((await admin.kv.get("any")).header.revision)
+    assert await store.read_generation(*shard, 1, revision=then) == placement(1)
+
+
 async def test_heat_snapshots_expire_with_their_lease(store: etcd_store.EtcdStore, shard: tuple[str, str]) -> None:
     await store.put_heat(*shard, {"0": 12.5}, ttl_seconds=1)
     assert [snap for _, snap in await store.read_heat(*shard)] == [{"0": 12.5}]
