@@ -20,6 +20,9 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CLUSTER="${KVSHARD_E2E_CLUSTER:-kvshard-e2e}"
 NAMESPACE=kvshard-e2e
 RELEASE=kvshard
+# The example CacheShard that router and sidecars follow (<fullname>-movielens; the fullname is the
+# release name, which contains the chart's): every kvshard_router_*/kvshard_sidecar_* series names it.
+SHARD="$NAMESPACE/$RELEASE-movielens"
 PYTHON="${PYTHON:-python3}"
 SIDECAR_PORT=18100
 OPERATOR_PORT=19090
@@ -126,14 +129,17 @@ port_forward "service/$RELEASE-engine" "$SIDECAR_PORT:8100"
 
 log "8/8 check metrics"
 # The router's `pod` label names the engine pod that answered (never "none" for a routed 2xx).
+# Label order in the exposition is not a contract: each label is matched by its own lookahead.
+in_shard='(?=[^}]*cacheshard="'"$SHARD"'")'
 "$PYTHON" "$ROOT/e2e/kind_e2e_check.py" metrics --url "http://127.0.0.1:$ROUTER_PORT" \
-  --expect '^kvshard_router_requests_total\{.*pod="'"$RELEASE"'-engine-[0-9]+".*code="2xx"' \
-  --expect '^kvshard_router_placement_generation'
+  --expect '^kvshard_router_requests_total\{'"$in_shard"'(?=[^}]*pod="'"$RELEASE"'-engine-[0-9]+")(?=[^}]*code="2xx")' \
+  --expect '^kvshard_router_cluster_requests_total\{'"$in_shard"'(?=[^}]*cluster="[0-9]+")' \
+  --expect '^kvshard_router_placement_generation\{'"$in_shard"
 "$PYTHON" "$ROOT/e2e/kind_e2e_check.py" metrics --url "http://127.0.0.1:$SIDECAR_PORT" \
-  --expect '^kvshard_sidecar_ready\{' \
-  --expect '^kvshard_sidecar_requests_total\{.*endpoint="/v1/recommend".*code="200"' \
-  --expect '^kvshard_sidecar_query_tokens_total\{' \
-  --expect '^kvshard_sidecar_ttft_seconds_count\{'
+  --expect '^kvshard_sidecar_ready\{'"$in_shard" \
+  --expect '^kvshard_sidecar_requests_total\{'"$in_shard"'(?=[^}]*endpoint="/v1/recommend")(?=[^}]*code="200")' \
+  --expect '^kvshard_sidecar_query_tokens_total\{'"$in_shard" \
+  --expect '^kvshard_sidecar_ttft_seconds_count\{'"$in_shard"
 port_forward "deployment/$RELEASE-operator" "$OPERATOR_PORT:9090"
 "$PYTHON" "$ROOT/e2e/kind_e2e_check.py" metrics --url "http://127.0.0.1:$OPERATOR_PORT" \
   --expect '^kvshard_operator_rebalances_total\{reason="created"\}' \

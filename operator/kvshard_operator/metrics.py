@@ -40,6 +40,7 @@ INVALID = Counter(
 )
 PLACEMENT_GENERATION = Gauge(
     "kvshard_operator_placement_generation",
-    "The placement generation last published, per CacheShard.",
-    ["namespace", "cacheshard"],
+    "The placement generation last published, per CacheShard (cacheshard=\"<namespace>/<name>\", as on "
+    "the router's and the sidecars' series).",
+    ["cacheshard"],
 )

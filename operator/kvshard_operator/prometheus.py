@@ -10,6 +10,11 @@ at least 4× the scrape interval so ``rate()`` always has several samples):
 * per-pod item hit ratio — ``kvshard_sidecar_hit_tokens_total`` over ``kvshard_sidecar_query_tokens_total``
   (``kind="item"``), by the ``pod`` *target* label that the scrape config puts on each sidecar.
 
+Every query selects ``{cacheshard="<namespace>/<name>"}``, the label the router and the sidecars put
+on every series: cluster ids and pod names are only unique within one CacheShard, so without it a
+Prometheus that scrapes two shards would add cluster 3 of one to cluster 3 of the other, and
+same-named pods of two namespaces to each other.
+
 Failures (unreachable, non-200, ``status: error``, not JSON, not a vector) raise one
 :class:`PrometheusError`; a query that matches nothing yet is an empty result, not an error, because
 a fresh deployment has no traffic.
@@ -26,12 +31,13 @@ from typing import Any
 
 import aiohttp
 
-CLUSTER_RATES = "sum by (cluster) (rate(kvshard_router_cluster_requests_total[{window}]))"
-POD_LOAD = "sum by (pod) (rate(kvshard_router_requests_total[{window}]))"
+CLUSTER_RATES = "sum by (cluster) (rate(kvshard_router_cluster_requests_total{{{shard}}}[{window}]))"
+POD_LOAD = "sum by (pod) (rate(kvshard_router_requests_total{{{shard}}}[{window}]))"
 POD_HIT_RATIO = (
-    'sum by (pod) (rate(kvshard_sidecar_hit_tokens_total{{kind="item"}}[{window}]))'
-    ' / sum by (pod) (rate(kvshard_sidecar_query_tokens_total{{kind="item"}}[{window}]))'
+    'sum by (pod) (rate(kvshard_sidecar_hit_tokens_total{{{shard},kind="item"}}[{window}]))'
+    ' / sum by (pod) (rate(kvshard_sidecar_query_tokens_total{{{shard},kind="item"}}[{window}]))'
 )
+"""The heat queries; ``{shard}`` is :func:`shard_selector`, ``{window}`` a :func:`window`."""
 
 
 class PrometheusError(Exception):
@@ -57,6 +63,24 @@ class Heat:
 def window(seconds: float) -> str:
     """A PromQL range duration: whole seconds, at least 1."""
     return f"{max(1, round(seconds))}s"
+
+
+def promql_string(value: str) -> str:
+    r"""``value`` as a double-quoted PromQL string literal. PromQL strings take Go's escapes, of which
+    JSON's (``\"``, ``\\``, ``\n``, ``\uXXXX`` for other control characters) are a subset, so JSON
+    encoding quotes any value safely."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def shard_selector(namespace: str, name: str) -> str:
+    """The label matcher of one CacheShard's series: ``cacheshard="<namespace>/<name>"``."""
+    return f"cacheshard={promql_string(f'{namespace}/{name}')}"
+
+
+def heat_queries(namespace: str, name: str, window_seconds: float) -> tuple[str, str, str]:
+    """The PromQL of :meth:`PrometheusClient.heat`: cluster rates, pod load, pod item hit ratio."""
+    fields = {"shard": shard_selector(namespace, name), "window": window(window_seconds)}
+    return CLUSTER_RATES.format(**fields), POD_LOAD.format(**fields), POD_HIT_RATIO.format(**fields)
 
 
 class PrometheusClient:
@@ -117,13 +141,14 @@ class PrometheusClient:
         return {labels[label]: value for labels, value in await self.query(promql)
                 if label in labels and math.isfinite(value)}
 
-    async def heat(self, window_seconds: float) -> Heat:
-        """Per-cluster rates, per-pod load and hit ratio over the last ``window_seconds``."""
-        w = window(window_seconds)
+    async def heat(self, namespace: str, name: str, window_seconds: float) -> Heat:
+        """The CacheShard ``namespace/name``'s per-cluster rates, per-pod load and hit ratio over the
+        last ``window_seconds`` (other shards' series are not counted)."""
+        cluster_rates, pod_load, pod_hit_ratio = heat_queries(namespace, name, window_seconds)
         clusters, load, hits = await asyncio.gather(
-            self.by_label(CLUSTER_RATES.format(window=w), "cluster"),
-            self.by_label(POD_LOAD.format(window=w), "pod"),
-            self.by_label(POD_HIT_RATIO.format(window=w), "pod"),
+            self.by_label(cluster_rates, "cluster"),
+            self.by_label(pod_load, "pod"),
+            self.by_label(pod_hit_ratio, "pod"),
         )
         rates: dict[int, float] = {}
         for label, rate in clusters.items():

@@ -184,7 +184,7 @@ async def rebalance_shard(
             try:
                 async with PrometheusClient(spec["prometheus"]["url"],
                                             timeout=settings.prometheus_timeout_seconds) as prom:
-                    heat = await prom.heat(window)
+                    heat = await prom.heat(namespace, name, window)
             except PrometheusError as exc:
                 logger.warning("rebalance skipped: %s", exc)
                 return finish("PrometheusUnavailable", cond.FALSE, str(exc), stamp=False)
@@ -224,7 +224,7 @@ async def rebalance_shard(
         metrics.REBALANCE_ACTIONS.labels(kind).inc(n)
     metrics.REBALANCES.labels("rebalance").inc()
     metrics.MOVED_REPLICAS.inc(kinds["replicate"] + kinds["move"])
-    metrics.PLACEMENT_GENERATION.labels(namespace, name).set(published)
+    metrics.PLACEMENT_GENERATION.labels(f"{namespace}/{name}").set(published)
     summary = summarize(result.actions)
     logger.info("rebalanced: published generation %d (%s): %s", published, summary,
                 "; ".join(f"{a.kind} {a.cluster} → {a.pod} ({a.reason})" for a in result.actions))

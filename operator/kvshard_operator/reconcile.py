@@ -211,7 +211,7 @@ async def reconcile(
                 published = await store.publish(namespace, name, new, expected=current)
                 metrics.REBALANCES.labels(trigger).inc()
                 metrics.MOVED_REPLICAS.inc(moved)
-                metrics.PLACEMENT_GENERATION.labels(namespace, name).set(published)
+                metrics.PLACEMENT_GENERATION.labels(f"{namespace}/{name}").set(published)
                 logger.info("published generation %d: %d items, %d clusters on %d pods, %d replicas moved",
                             published, len(labels), len(clusters), len(live), moved)
     except etcd_store.GenerationConflictError as exc:

@@ -38,7 +38,7 @@ class RouterApp:
         self.state = RouterState(default_item_tokens=settings.item_tokens)
         self.load = LoadTable()
         self.policy = build_policy(settings)
-        self.metrics = RouterMetrics(self.state, self.load)
+        self.metrics = RouterMetrics(self.state, self.load, cacheshard=settings.cacheshard)
         self.session: aiohttp.ClientSession | None = None
         self.router: Router | None = None
         self.health: HealthChecker | None = None

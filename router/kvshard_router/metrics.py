@@ -9,6 +9,13 @@ placement leaves the output too instead of lingering as a stale labelled gauge.
 cluster among its candidates; ``kvshard_router_cluster_hits_total{cluster}`` those of them the
 chosen pod had reported warm and that it answered 2xx for. Per-cluster hit ratio and request rate
 are PromQL over the pair.
+
+Every series carries ``cacheshard="<namespace>/<name>"``, the one CacheShard the router follows
+(empty without one): cluster ids and pod names are only unique within a shard, so when one
+Prometheus scrapes the routers of several shards the rebalancer and the dashboards select by it.
+It is added at scrape time to every sample (:mod:`kvshard.metric_labels`) rather than passed at each
+``labels()`` call: prometheus_client has no constant labels, and a per-call label is one a future
+metric could forget.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvshard.metric_labels import labelled_registry
 from kvshard_router.policies import LoadTable
 from kvshard_router.state import RouterState
 
@@ -36,29 +44,31 @@ def status_class(status: int) -> str:
 class RouterMetrics:
     """The router's metric families on their own registry."""
 
-    def __init__(self, state: RouterState, load: LoadTable) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, state: RouterState, load: LoadTable, *, cacheshard: str) -> None:
+        own = CollectorRegistry()  # the families below, served through self.registry
+        self.registry = labelled_registry(own, cacheshard=cacheshard)
+        """What ``/metrics`` serves: every family below with the ``cacheshard`` label added."""
         self.requests = Counter(
             "kvshard_router_requests", "Requests to /v1/recommend by the pod that answered and status class",
-            ["pod", "code"], registry=self.registry)
+            ["pod", "code"], registry=own)
         self.decision = Histogram(
             "kvshard_router_decision_seconds", "Time the routing policy took to choose a pod",
-            buckets=DECISION_BUCKETS, registry=self.registry)
+            buckets=DECISION_BUCKETS, registry=own)
         self.retries = Counter(
             "kvshard_router_retries", "Requests re-sent to another pod after a connection failure or 503",
-            registry=self.registry)
+            registry=own)
         self.upstream = Histogram(
             "kvshard_router_upstream_seconds", "Time of one forward to a pod, until its whole answer",
-            ["pod"], buckets=UPSTREAM_BUCKETS, registry=self.registry)
+            ["pod"], buckets=UPSTREAM_BUCKETS, registry=own)
         self.cluster_requests = Counter(
             "kvshard_router_cluster_requests",
             "Routed requests per item cluster (each distinct known cluster among a request's candidates)",
-            ["cluster"], registry=self.registry)
+            ["cluster"], registry=own)
         self.cluster_hits = Counter(
             "kvshard_router_cluster_hits",
             "Routed requests per item cluster whose answering pod had the cluster warm",
-            ["cluster"], registry=self.registry)
-        self.registry.register(_StateCollector(state, load))
+            ["cluster"], registry=own)
+        own.register(_StateCollector(state, load))
 
     def count_clusters(self, counter: Counter, clusters: Iterable[int]) -> None:
         for cluster in clusters:
@@ -87,4 +97,3 @@ class _StateCollector(Collector):
                                        "Placement generation the router routes by (0: none yet)")
         generation.add_metric([], float(state.generation))
         yield from (healthy, inflight, generation)
-

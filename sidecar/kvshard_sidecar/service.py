@@ -47,7 +47,7 @@ class SidecarService:
             fetcher = PeerFetcher(holders, self.peer_token, settings.peer_timeout_seconds)
         self.store = BlockStore(settings.memory_bytes, settings.disk_root, settings.disk_bytes, fetcher)
         self.model_name = (settings.model.name if settings.model else "SmolLM2-135M-Instruct")
-        self.metrics = SidecarMetrics(self.model_name, self.store.stats)
+        self.metrics = SidecarMetrics(self.model_name, self.store.stats, cacheshard=settings.cacheshard)
         self.prefill_queue = PrefillQueue(self)
         self.ready = False
         self.load_error = ""

@@ -153,7 +153,7 @@ def test_prometheus_rules_pass_promtool(rendered: dict[str, list[Manifest]], tmp
     assert "SUCCESS" in result.stdout
 
 
-_GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$namespace": ".*", "$model_name": ".*"}
+_GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$namespace": ".*", "$cacheshard": ".*", "$model_name": ".*"}
 
 
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:

@@ -215,6 +215,8 @@ def test_operator_metrics_use_the_component_prefix_and_count_placements(
         assert rebalancing["status"] == "False" and "http://prometheus:9090" in rebalancing["message"]
     assert created() == before + 1
     assert (REGISTRY.get_sample_value("kvshard_operator_placement_seconds_count") or 0) >= 1
+    # the shard named as on the router's and the sidecars' series, so dashboards join on it
+    assert REGISTRY.get_sample_value("kvshard_operator_placement_generation", {"cacheshard": "default/counted"}) == 1
     from prometheus_client.metrics import MetricWrapperBase
 
     from kvshard_operator import metrics

@@ -38,7 +38,7 @@ HOT = {0: 60.0, 1: 6.0, 2: 6.0, 3: 6.0, 4: 6.0, 5: 6.0}
 
 @pytest.fixture(scope="module")
 def traffic() -> Iterator[Traffic]:
-    t = Traffic(PODS)
+    t = Traffic(PODS, shards=[f"{NS}/{name}" for name in ("skewed", "interplay", "hot")])
     t.set(clusters=HOT, load={"engine-a": 66.0, "engine-b": 12.0, "engine-c": 12.0},
           tokens={p: (80.0, 100.0) for p in PODS})
     yield t
@@ -146,7 +146,7 @@ async def test_hot_cluster_is_replicated_within_the_move_budget_until_balanced(
     traffic.set(load={"engine-a": 26.0, "engine-b": 32.0, "engine-c": 32.0})
     deadline = time.monotonic() + 20
     async with PrometheusClient(prometheus.url) as client:
-        while (await client.heat(WINDOW)).pod_load.get("engine-a", 99) > 30:
+        while (await client.heat(NS, "skewed", WINDOW)).pod_load.get("engine-a", 99) > 30:
             assert time.monotonic() < deadline, "Prometheus never saw the balanced load"
             await asyncio.sleep(0.5)
     outcome = await step(etcd_server, "skewed", state, prometheus.url, status=outcome.status, maxMovesPerInterval=1)

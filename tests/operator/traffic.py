@@ -5,7 +5,10 @@ and a real Prometheus scraping them every second.
 The exporters speak the metric contract the router and sidecars implement:
 ``kvshard_router_cluster_requests_total{cluster}``, ``kvshard_router_requests_total{pod,code}`` and
 ``kvshard_sidecar_{hit,query}_tokens_total`` — the sidecar ones without a ``pod`` label, which the
-scrape config adds per target, as Kubernetes service discovery does.
+scrape config adds per target, as Kubernetes service discovery does — every series also carrying
+``cacheshard="<namespace>/<name>"``. A real router or sidecar follows one CacheShard; a
+:class:`Traffic` may stand for several with the same rates (one series per shard), so tests of
+several shards over one Prometheus need only one set of exporters.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -43,26 +46,28 @@ class _Exporter:
 
 
 class Traffic:
-    """One router exporter and one sidecar exporter per pod; a background thread adds
-    ``rate × elapsed`` to every counter ten times a second, so Prometheus sees steady rates."""
+    """One router exporter and one sidecar exporter per pod, for the CacheShards ``shards``
+    (``<namespace>/<name>``); a background thread adds ``rate × elapsed`` to every counter ten times
+    a second, so Prometheus sees steady rates."""
 
-    def __init__(self, pods: tuple[str, ...]) -> None:
+    def __init__(self, pods: tuple[str, ...], shards: Sequence[str]) -> None:
         self.pods = pods
+        self.shards = tuple(shards)
         router = CollectorRegistry()
         self._cluster_requests = Counter("kvshard_router_cluster_requests", "Requests by candidate cluster",
-                                         ["cluster"], registry=router)
-        self._pod_requests = Counter("kvshard_router_requests", "Requests by pod and status", ["pod", "code"],
-                                     registry=router)
+                                         ["cacheshard", "cluster"], registry=router)
+        self._pod_requests = Counter("kvshard_router_requests", "Requests by pod and status",
+                                     ["cacheshard", "pod", "code"], registry=router)
         self.router = _Exporter(router)
         self._hits: dict[str, Counter] = {}
         self._queries: dict[str, Counter] = {}
         self.sidecars: dict[str, _Exporter] = {}
         for pod in pods:
             registry = CollectorRegistry()
-            self._queries[pod] = Counter("kvshard_sidecar_query_tokens", "Prompt tokens", ["model_name", "kind"],
-                                         registry=registry)
+            self._queries[pod] = Counter("kvshard_sidecar_query_tokens", "Prompt tokens",
+                                         ["cacheshard", "model_name", "kind"], registry=registry)
             self._hits[pod] = Counter("kvshard_sidecar_hit_tokens", "Cached prompt tokens",
-                                      ["model_name", "kind", "tier"], registry=registry)
+                                      ["cacheshard", "model_name", "kind", "tier"], registry=registry)
             self.sidecars[pod] = _Exporter(registry)
         self._lock = threading.Lock()
         self._clusters: dict[int, float] = {}
@@ -75,20 +80,14 @@ class Traffic:
     def set(self, *, clusters: Mapping[int, float] | None = None, load: Mapping[str, float] | None = None,
             tokens: Mapping[str, tuple[float, float]] | None = None) -> None:
         """Requests/s per cluster, requests/s per pod, and (hit, query) item tokens/s per pod."""
-        with self._lock:
+        with self._lock:  # a series exists before it grows, so rate() sees all of it
             if clusters is not None:
                 self._clusters = dict(clusters)
-                for c in self._clusters:  # a series exists before it grows, so rate() sees all of it
-                    self._cluster_requests.labels(str(c))
             if load is not None:
                 self._load = dict(load)
-                for p in self._load:
-                    self._pod_requests.labels(p, "200")
             if tokens is not None:
                 self._tokens = dict(tokens)
-                for p in self._tokens:
-                    self._hits[p].labels(MODEL, "item", "memory")
-                    self._queries[p].labels(MODEL, "item")
+            self._grow(0.0)
 
     def _run(self) -> None:
         last = time.monotonic()
@@ -96,25 +95,24 @@ class Traffic:
             now = time.monotonic()
             dt, last = now - last, now
             with self._lock:
-                for c, rate in self._clusters.items():
-                    self._cluster_requests.labels(str(c)).inc(rate * dt)
-                for p, rate in self._load.items():
-                    self._pod_requests.labels(p, "200").inc(rate * dt)
-                for p, (hit, query) in self._tokens.items():
-                    self._hits[p].labels(MODEL, "item", "memory").inc(hit * dt)
-                    self._queries[p].labels(MODEL, "item").inc(query * dt)
-                    # other kinds and tiers must not leak into the item hit ratio
-                    self._hits[p].labels(MODEL, "history", "memory").inc(query * dt)
-                    self._queries[p].labels(MODEL, "history").inc(query * dt)
+                self._grow(dt)
+
+    def _grow(self, dt: float) -> None:
+        for shard in self.shards:
+            for c, rate in self._clusters.items():
+                self._cluster_requests.labels(shard, str(c)).inc(rate * dt)
+            for p, rate in self._load.items():
+                self._pod_requests.labels(shard, p, "200").inc(rate * dt)
+            for p, (hit, query) in self._tokens.items():
+                self._hits[p].labels(shard, MODEL, "item", "memory").inc(hit * dt)
+                self._queries[p].labels(shard, MODEL, "item").inc(query * dt)
+                # other kinds and tiers must not leak into the item hit ratio
+                self._hits[p].labels(shard, MODEL, "history", "memory").inc(query * dt)
+                self._queries[p].labels(shard, MODEL, "history").inc(query * dt)
 
     def scrape_config(self) -> str:
         """Prometheus YAML: scrape the router, and each sidecar with its ``pod`` target label."""
-        sidecars = "\n".join(f"      - targets: ['{e.target}']\n        labels: {{pod: '{p}'}}"
-                             for p, e in self.sidecars.items())
-        return ("global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n  evaluation_interval: 1s\n"
-                "scrape_configs:\n"
-                f"  - job_name: router\n    static_configs:\n      - targets: ['{self.router.target}']\n"
-                f"  - job_name: sidecar\n    static_configs:\n{sidecars}\n")
+        return scrape_config(self)
 
     def close(self) -> None:
         self._stop.set()
@@ -122,6 +120,19 @@ class Traffic:
         self.router.close()
         for exporter in self.sidecars.values():
             exporter.close()
+
+
+def scrape_config(*traffic: Traffic) -> str:
+    """Prometheus YAML: one Prometheus scraping the routers and sidecars of every ``traffic`` (the
+    sidecars with their ``pod`` target label, which repeats when two shards have same-named pods)."""
+    jobs = []
+    for i, t in enumerate(traffic):
+        sidecars = "\n".join(f"      - targets: ['{e.target}']\n        labels: {{pod: '{p}'}}"
+                             for p, e in t.sidecars.items())
+        jobs.append(f"  - job_name: router-{i}\n    static_configs:\n      - targets: ['{t.router.target}']\n"
+                    f"  - job_name: sidecar-{i}\n    static_configs:\n{sidecars}\n")
+    return ("global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n" + "".join(jobs))
 
 
 @contextlib.contextmanager

@@ -61,12 +61,13 @@ def test_the_router_process_in_front_of_two_real_sidecars(
     etcd_server: EtcdServer, movielens: Dataset, processes: list[ManagedProcess], tmp_path: Path
 ) -> None:
     started = time.monotonic()
+    shard = "default/movielens"  # every router series carries it as `cacheshard`
     (pod_a, url_a), (pod_b, url_b) = _sidecar(tmp_path, "pod-a"), _sidecar(tmp_path, "pod-b")
     router_port = free_port()
     router_url = f"http://127.0.0.1:{router_port}"
     router = ManagedProcess(
         [sys.executable, "-m", "kvshard.cli", "router", "serve", "--port", str(router_port),
-         "--etcd-endpoints", etcd_server.endpoint, "--cacheshard", "default/movielens",
+         "--etcd-endpoints", etcd_server.endpoint, "--cacheshard", shard,
          "--health-interval-seconds", "0.5"],
         tmp_path / "router.log", f"{router_url}/healthz")
     processes.extend([pod_a, pod_b, router])
@@ -80,7 +81,7 @@ def test_the_router_process_in_front_of_two_real_sidecars(
     ids = list(movielens.items)
     half = {item: 0 if i < len(ids) // 2 else 1 for i, item in enumerate(ids)}
     cluster = {0: [i for i in ids if half[i] == 0], 1: [i for i in ids if half[i] == 1]}
-    asyncio.run(publish(etcd_server.endpoint, "default/movielens",
+    asyncio.run(publish(etcd_server.endpoint, shard,
                         Placement(1, {0: ("pod-a",), 1: ("pod-b",)}, half, pods=("pod-a", "pod-b")),
                         {"pod-a": WarmReport(1, (0,), url=url_a), "pod-b": WarmReport(1, (1,), url=url_b)}))
     deadline = time.monotonic() + 15
@@ -110,13 +111,13 @@ def test_the_router_process_in_front_of_two_real_sidecars(
 
     # (4) the metrics show the decisions, requests per pod and per-cluster requests and hits
     text = _call(f"{router_url}/metrics")[2]
-    assert metric(text, "kvshard_router_decision_seconds_count") == 7
-    assert metric(text, "kvshard_router_requests_total", pod="pod-a", code="2xx") == 3
-    assert metric(text, "kvshard_router_requests_total", pod="pod-b", code="2xx") == 3
-    assert metric(text, "kvshard_router_requests_total", pod="none", code="4xx") == 3
-    assert metric(text, "kvshard_router_cluster_requests_total", cluster="0") == 4
-    assert metric(text, "kvshard_router_cluster_hits_total", cluster="0") == 3
-    assert metric(text, "kvshard_router_cluster_hits_total", cluster="1") == 3
+    assert metric(text, "kvshard_router_decision_seconds_count", cacheshard=shard) == 7
+    assert metric(text, "kvshard_router_requests_total", cacheshard=shard, pod="pod-a", code="2xx") == 3
+    assert metric(text, "kvshard_router_requests_total", cacheshard=shard, pod="pod-b", code="2xx") == 3
+    assert metric(text, "kvshard_router_requests_total", cacheshard=shard, pod="none", code="4xx") == 3
+    assert metric(text, "kvshard_router_cluster_requests_total", cacheshard=shard, cluster="0") == 4
+    assert metric(text, "kvshard_router_cluster_hits_total", cacheshard=shard, cluster="0") == 3
+    assert metric(text, "kvshard_router_cluster_hits_total", cacheshard=shard, cluster="1") == 3
 
     # (3) pod-a dies: its cluster is served by pod-b (at most the first request retried), and the
     # router reports pod-a unhealthy within a few seconds
@@ -126,11 +127,11 @@ def test_the_router_process_in_front_of_two_real_sidecars(
         status, headers, body = _call(f"{router_url}/v1/recommend", request(user, 0, 0))
         assert (status, headers["X-Kvshard-Pod"]) == (200, "pod-b"), body
     deadline = time.monotonic() + 5
-    while metric(_call(f"{router_url}/metrics")[2], "kvshard_router_pod_healthy", pod="pod-a") != 0:
+    while metric(_call(f"{router_url}/metrics")[2], "kvshard_router_pod_healthy", cacheshard=shard, pod="pod-a") != 0:
         assert time.monotonic() < deadline, "pod-a still healthy 5 s after it was killed"
         time.sleep(0.1)
     text = _call(f"{router_url}/metrics")[2]
-    assert (metric(text, "kvshard_router_retries_total") or 0) <= 1
-    assert metric(text, "kvshard_router_pod_healthy", pod="pod-b") == 1
+    assert (metric(text, "kvshard_router_retries_total", cacheshard=shard) or 0) <= 1
+    assert metric(text, "kvshard_router_pod_healthy", cacheshard=shard, pod="pod-b") == 1
     assert "pod pod-a is unhealthy" in router.log_tail(20_000)
     print(f"failover checked after {time.monotonic() - started:.1f} s")

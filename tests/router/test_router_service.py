@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import FakePod, eventually, metric, post, publish, running_router
 
 from kvshard.etcd_store import EtcdStore, QuietRepeats
@@ -220,8 +221,9 @@ async def test_requests_go_to_the_pod_holding_their_clusters(
     etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
 ) -> None:
     a, b = pods
-    await _publish_two(etcd_server, "default/holding", a, b)
-    async with running_router(etcd_server.endpoint, "default/holding") as (url, _):
+    shard = "default/holding"
+    await _publish_two(etcd_server, shard, a, b)
+    async with running_router(etcd_server.endpoint, shard) as (url, _):
         await _ready(session, url)
         for user in range(3):
             for items, pod in ((A_ITEMS, "a"), (B_ITEMS[1:] + ["a0"], "b")):
@@ -232,17 +234,21 @@ async def test_requests_go_to_the_pod_holding_their_clusters(
                 assert (a if pod == "a" else b).received[-1] == raw  # forwarded byte for byte
 
         text = await _metrics(session, url)
-        assert metric(text, "kvshard_router_requests_total", pod="a", code="2xx") == 3
-        assert metric(text, "kvshard_router_requests_total", pod="b", code="2xx") == 3
-        assert metric(text, "kvshard_router_decision_seconds_count") == 6
-        assert metric(text, "kvshard_router_cluster_requests_total", cluster="0") == 6  # b's requests hold a0 too
-        assert metric(text, "kvshard_router_cluster_requests_total", cluster="1") == 3
-        assert metric(text, "kvshard_router_cluster_hits_total", cluster="0") == 3  # only a has cluster 0 warm
-        assert metric(text, "kvshard_router_cluster_hits_total", cluster="1") == 3
-        assert metric(text, "kvshard_router_pod_healthy", pod="a") == 1
-        assert metric(text, "kvshard_router_placement_generation") == 1
-        assert metric(text, "kvshard_router_upstream_seconds_count", pod="a") == 3
-        assert metric(text, "kvshard_router_inflight_requests", pod="a") == 0
+        assert metric(text, "kvshard_router_requests_total", cacheshard=shard, pod="a", code="2xx") == 3
+        assert metric(text, "kvshard_router_requests_total", cacheshard=shard, pod="b", code="2xx") == 3
+        assert metric(text, "kvshard_router_decision_seconds_count", cacheshard=shard) == 6
+        # b's requests hold a0 too; only a has cluster 0 warm
+        assert metric(text, "kvshard_router_cluster_requests_total", cacheshard=shard, cluster="0") == 6
+        assert metric(text, "kvshard_router_cluster_requests_total", cacheshard=shard, cluster="1") == 3
+        assert metric(text, "kvshard_router_cluster_hits_total", cacheshard=shard, cluster="0") == 3
+        assert metric(text, "kvshard_router_cluster_hits_total", cacheshard=shard, cluster="1") == 3
+        assert metric(text, "kvshard_router_pod_healthy", cacheshard=shard, pod="a") == 1
+        assert metric(text, "kvshard_router_placement_generation", cacheshard=shard) == 1
+        assert metric(text, "kvshard_router_upstream_seconds_count", cacheshard=shard, pod="a") == 3
+        assert metric(text, "kvshard_router_inflight_requests", cacheshard=shard, pod="a") == 0
+        # every series names the shard, so routers of several shards can share one Prometheus
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        assert {s.labels.get("cacheshard") for s in samples} == {shard}
 
         async with session.get(f"{url}/v1/placement") as resp:
             view = await resp.json()
@@ -255,8 +261,9 @@ async def test_bad_requests_get_a_json_4xx_and_the_router_keeps_serving(
     etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
 ) -> None:
     a, b = pods
-    await _publish_two(etcd_server, "default/bad", a, b)
-    async with running_router(etcd_server.endpoint, "default/bad") as (url, _):
+    shard = "default/bad"
+    await _publish_two(etcd_server, shard, a, b)
+    async with running_router(etcd_server.endpoint, shard) as (url, _):
         await _ready(session, url)
         cases: list[tuple[bytes, str, int, str]] = [
             (b"{not json", "application/json", 400, "body"),
@@ -273,36 +280,40 @@ async def test_bad_requests_get_a_json_4xx_and_the_router_keeps_serving(
         assert a.received == [] and b.received == []
         assert (await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS}))[0] == 200
         text = await _metrics(session, url)
-        assert metric(text, "kvshard_router_requests_total", pod="none", code="4xx") == len(cases)
+        assert metric(text, "kvshard_router_requests_total", cacheshard=shard, pod="none", code="4xx") == len(cases)
 
 
 async def test_a_refused_connection_is_retried_once_on_the_other_pod(
     etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
 ) -> None:
     a, b = pods
-    await _publish_two(etcd_server, "default/refused", a, b)
+    shard = "default/refused"
+    await _publish_two(etcd_server, shard, a, b)
     # Probes are far apart: the passive check (the failed forward) must be what takes a out.
-    async with running_router(etcd_server.endpoint, "default/refused", health_interval_seconds=60) as (url, router):
+    async with running_router(etcd_server.endpoint, shard, health_interval_seconds=60) as (url, router):
         await _ready(session, url)
         await a.stop()
         status, headers, body = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
         assert (status, headers["X-Kvshard-Pod"], body) == (200, "b", {"pod": "b"})
         assert not router.state.routable("a")
         text = await _metrics(session, url)
-        assert metric(text, "kvshard_router_retries_total") == 1
-        assert metric(text, "kvshard_router_pod_healthy", pod="a") == 0
-        assert metric(text, "kvshard_router_cluster_hits_total", cluster="0") is None  # b is cold for cluster 0
+        assert metric(text, "kvshard_router_retries_total", cacheshard=shard) == 1
+        assert metric(text, "kvshard_router_pod_healthy", cacheshard=shard, pod="a") == 0
+        # b is cold for cluster 0
+        assert metric(text, "kvshard_router_cluster_hits_total", cacheshard=shard, cluster="0") is None
         status, headers, _ = await post(session, f"{url}/v1/recommend", {"user_id": "2", "candidates": A_ITEMS})
         assert (status, headers["X-Kvshard-Pod"]) == (200, "b")
-        assert metric(await _metrics(session, url), "kvshard_router_retries_total") == 1  # a is no longer tried
+        # a is no longer tried
+        assert metric(await _metrics(session, url), "kvshard_router_retries_total", cacheshard=shard) == 1
 
 
 async def test_a_503_is_retried_elsewhere_but_other_pod_errors_pass_through(
     etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
 ) -> None:
     a, b = pods
-    await _publish_two(etcd_server, "default/passthrough", a, b)
-    async with running_router(etcd_server.endpoint, "default/passthrough") as (url, _):
+    shard = "default/passthrough"
+    await _publish_two(etcd_server, shard, a, b)
+    async with running_router(etcd_server.endpoint, shard) as (url, _):
         await _ready(session, url)
         request = {"user_id": "1", "candidates": A_ITEMS}
         for code in (422, 429, 500):
@@ -310,12 +321,12 @@ async def test_a_503_is_retried_elsewhere_but_other_pod_errors_pass_through(
             status, headers, body = await post(session, f"{url}/v1/recommend", request)
             assert (status, headers["X-Kvshard-Pod"]) == (code, "a")
             assert body["error"]["message"] == "a says no"
-        assert metric(await _metrics(session, url), "kvshard_router_retries_total") == 0
+        assert metric(await _metrics(session, url), "kvshard_router_retries_total", cacheshard=shard) == 0
 
         a.status = 503
         status, headers, body = await post(session, f"{url}/v1/recommend", request)
         assert (status, headers["X-Kvshard-Pod"], body) == (200, "b", {"pod": "b"})
-        assert metric(await _metrics(session, url), "kvshard_router_retries_total") == 1
+        assert metric(await _metrics(session, url), "kvshard_router_retries_total", cacheshard=shard) == 1
 
 
 async def test_no_healthy_pod_is_503_and_two_failures_are_502(
@@ -355,8 +366,9 @@ async def test_health_checks_take_a_pod_out_and_bring_it_back(
     etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
 ) -> None:
     a, b = pods
-    await _publish_two(etcd_server, "default/health", a, b)
-    async with running_router(etcd_server.endpoint, "default/health") as (url, router):
+    shard = "default/health"
+    await _publish_two(etcd_server, shard, a, b)
+    async with running_router(etcd_server.endpoint, shard) as (url, router):
         await _ready(session, url)
         a.ready = False
         await eventually(lambda: not router.state.routable("a"), timeout=3, what="a marked unhealthy")
@@ -368,7 +380,7 @@ async def test_health_checks_take_a_pod_out_and_bring_it_back(
         await eventually(lambda: router.state.routable("a"), timeout=3, what="a healthy again")
         status, headers, _ = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
         assert (status, headers["X-Kvshard-Pod"]) == (200, "a")
-        assert metric(await _metrics(session, url), "kvshard_router_retries_total") == 0
+        assert metric(await _metrics(session, url), "kvshard_router_retries_total", cacheshard=shard) == 0
 
 
 async def test_a_pod_without_a_url_is_never_chosen(
@@ -389,11 +401,12 @@ async def test_a_pod_without_a_url_is_never_chosen(
 async def test_before_any_placement_the_router_is_not_ready(
     etcd_server: EtcdServer, session: aiohttp.ClientSession
 ) -> None:
-    async with running_router(etcd_server.endpoint, "default/empty") as (url, _):
+    shard = "default/empty"
+    async with running_router(etcd_server.endpoint, shard) as (url, _):
         async with session.get(f"{url}/healthz") as resp:
             assert resp.status == 200
         async with session.get(f"{url}/readyz") as resp:
             assert resp.status == 503 and (await resp.json())["error"]["field"] == "placement"
         status, headers, body = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
         assert (status, body["error"]["field"], headers["Retry-After"]) == (503, "placement", "1")
-        assert metric(await _metrics(session, url), "kvshard_router_placement_generation") == 0
+        assert metric(await _metrics(session, url), "kvshard_router_placement_generation", cacheshard=shard) == 0

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sidecar_process import PEER_TOKEN, Sidecar, SidecarFactory
 
 from kvshard_sidecar.blockstore import decode_block
@@ -131,3 +132,19 @@ def test_metrics_use_the_design_names(sidecar: Sidecar) -> None:
                  "kvshard_sidecar_cache_bytes", "kvshard_sidecar_cache_events_total"):
         assert re.search(rf"^{name}\{{[^}}]*model_name=\"SmolLM2-135M-Instruct\"", text, re.M), name
     assert 'tier="memory"' in text and 'kind="item"' in text
+    # static config: no CacheShard, so an empty `cacheshard` (which Prometheus stores as no label)
+    assert cacheshard_labels(text) == {""}
+
+
+def test_a_sidecar_of_a_cacheshard_names_it_on_every_series(start_sidecar: SidecarFactory) -> None:
+    """Pod names are only unique within a CacheShard: the label keeps shards apart in one Prometheus."""
+    labelled = start_sidecar("--cacheshard", "team-a/movies", name="labelled")
+    assert labelled.json("POST", "/v1/recommend", REQUEST)[0] == 200
+    text = labelled.metrics()
+    assert re.search(r'^kvshard_sidecar_query_tokens_total\{[^}]*kind="item"', text, re.M)
+    assert cacheshard_labels(text) == {"team-a/movies"}
+
+
+def cacheshard_labels(text: str) -> set[str | None]:
+    """The ``cacheshard`` values of every sample on a ``/metrics`` page (None: a sample without it)."""
+    return {s.labels.get("cacheshard") for family in text_string_to_metric_families(text) for s in family.samples}
