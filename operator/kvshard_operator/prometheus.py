@@ -67,7 +67,7 @@ def window(seconds: float) -> str:
 
 def promql_string(value: str) -> str:
     r"""``value`` as a double-quoted PromQL string literal. PromQL strings take Go's escapes, of which
-    JSON's (``\"``, ``\\``, ``\n``, ``\uXXXX`` for other control characters) are a subset, so JSON
+    JSON's (``\"``, ``\\``, ``\n``, ``\u`` escapes for other control characters) are a subset, so JSON
     encoding quotes any value safely."""
     return json.dumps(value, ensure_ascii=False)
 
