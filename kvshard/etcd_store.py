@@ -96,8 +96,12 @@ def heat_prefix(namespace: str, name: str) -> str:
     return shard_prefix(namespace, name) + "heat/"
 
 
+def warm_prefix(namespace: str, name: str) -> str:
+    return shard_prefix(namespace, name) + "warm/"
+
+
 def warm_key(namespace: str, name: str, pod: str) -> str:
-    return shard_prefix(namespace, name) + f"warm/{pod}"
+    return warm_prefix(namespace, name) + pod
 
 
 class EtcdStore:
@@ -359,35 +363,50 @@ class EtcdStore:
     async def read_warm(self, namespace: str, name: str) -> dict[str, ps.WarmReport]:
         """Pod → its last warm report; the router moves traffic only to warm replicas. Unreadable
         reports are skipped (a reader never fails because one pod wrote garbage)."""
-        prefix = shard_prefix(namespace, name) + "warm/"
-        resp = await self._range("read", prefix)
-        out: dict[str, ps.WarmReport] = {}
-        for kv in resp.kvs:
-            try:
-                out[kv.key.decode()[len(prefix):]] = ps.WarmReport.decode(bytes(kv.value))
-            except ps.PlacementFormatError:
-                continue
-        return out
+        prefix = warm_prefix(namespace, name)
+        return _warm_reports(prefix, (await self._range("read", prefix)).kvs)
 
     async def watch_warm(self, namespace: str, name: str) -> AsyncIterator[dict[str, ps.WarmReport]]:
         """Yield the whole warm map now and again after every change (a pod reported or left);
-        the router moves traffic to a new replica only once it shows up here."""
-        prefix = shard_prefix(namespace, name) + "warm/"
+        the router moves traffic to a new replica only once it shows up here. The map is read once
+        and then kept up to date from the watch's events (every pod reports up to twice a second,
+        and every router and sidecar watches)."""
+        prefix = warm_prefix(namespace, name)
         resp = await self._range("read", prefix)
-        yield await self.read_warm(namespace, name)
+        reports = _warm_reports(prefix, resp.kvs)
+        yield dict(reports)
         watch = self._client.watch
         assert watch is not None
         try:
             async for batch in watch.watch(prefix, range_end=etcd3aio.prefix_range_end(prefix),
                                            start_revision=resp.header.revision + 1):
+                for event in batch.events:
+                    pod = event.kv.key.decode()[len(prefix):]
+                    report = _warm_report(event.kv.value) if event.type == 0 else None  # 0 == PUT
+                    if report is None:
+                        reports.pop(pod, None)  # withdrawn, or unreadable
+                    else:
+                        reports[pod] = report
                 if batch.events:
-                    yield await self.read_warm(namespace, name)
+                    yield dict(reports)
         except _ERRORS as exc:
             raise EtcdUnavailableError(f"etcd watch failed: {exc}") from exc
 
     async def delete_warm(self, namespace: str, name: str, pod: str) -> None:
         """Forget a pod's warm set (it left the placement)."""
         await self._call("delete", self._kv.delete(warm_key(namespace, name, pod), timeout=self.timeout))
+
+
+def _warm_report(value: bytes) -> ps.WarmReport | None:
+    try:
+        return ps.WarmReport.decode(bytes(value))
+    except ps.PlacementFormatError:
+        return None
+
+
+def _warm_reports(prefix: str, kvs: Any) -> dict[str, ps.WarmReport]:
+    """Pod → report of the ``warm/`` keys read, the unreadable ones skipped."""
+    return {kv.key.decode()[len(prefix):]: report for kv in kvs if (report := _warm_report(kv.value)) is not None}
 
 
 class QuietRepeats(logging.Filter):

@@ -10,6 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 
+def error_body(field: str, message: str) -> dict[str, Any]:
+    """``{"error": {"field": field, "message": message}}``: every error answer of every API, the
+    server's own (503, 502, 504) included, so clients parse one shape."""
+    return {"error": {"field": field, "message": message}}
+
+
 class RequestError(ValueError):
     """A client mistake: answered with ``status`` and a message that names ``field``."""
 
@@ -20,4 +26,4 @@ class RequestError(ValueError):
         self.status = status
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"field": self.field, "message": self.message}}
+        return error_body(self.field, self.message)

@@ -27,9 +27,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from kvshard.processes import http_ok
 
@@ -38,8 +39,8 @@ class EtcdNotInstalledError(FileNotFoundError):
     """No etcd binary: install Debian's ``etcd-server`` or set ``KVSHARD_ETCD_BINARY``."""
 
 
-class EtcdStartError(RuntimeError):
-    """etcd did not become healthy in time; the message carries the end of its log."""
+class ServerStartError(RuntimeError):
+    """A server did not become ready in time; the message carries the end of its log."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -49,13 +50,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _binary(name: str, variable: str, missing: type[FileNotFoundError], package: str) -> str:
+    """``$variable``, else ``name`` on ``PATH``, else ``/usr/bin/<name>``; or ``missing``."""
+    found = os.environ.get(variable) or shutil.which(name) or (
+        f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
+    if not found:
+        raise missing(f"{name} not found: apt-get install {package}, or set {variable}")
+    return found
+
+
 def etcd_binary() -> str:
     """The etcd executable to run, or :class:`EtcdNotInstalledError`."""
-    explicit = os.environ.get("KVSHARD_ETCD_BINARY")
-    found = explicit or shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
-    if not found:
-        raise EtcdNotInstalledError("etcd not found: apt-get install etcd-server, or set KVSHARD_ETCD_BINARY")
-    return found
+    return _binary("etcd", "KVSHARD_ETCD_BINARY", EtcdNotInstalledError, "etcd-server")
 
 
 class _LocalServer(abc.ABC):
@@ -67,9 +73,29 @@ class _LocalServer(abc.ABC):
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     @abc.abstractmethod
     def start(self) -> None:
         """Start the server and wait until it answers."""
+
+    def _spawn(self, cmd: list[str], log_path: Path, ready: Callable[[], bool], timeout: float, what: str,
+               **popen: Any) -> None:
+        """Run ``cmd`` logging to ``log_path`` and poll ``ready`` until ``timeout``; if it exits or times
+        out first, stop it and raise :class:`ServerStartError` with the end of its log."""
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
+        self._process = subprocess.Popen(cmd, stdout=log, stderr=log, **popen)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._process.poll() is None:
+            if ready():
+                return
+            time.sleep(0.05)
+        self.stop()
+        tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+        raise ServerStartError(f"{what} did not become ready:\n{tail}")
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s); its data folder stays for a restart."""
@@ -138,20 +164,8 @@ class EtcdServer(_LocalServer):
             "--logger", "zap",
             "--log-outputs", "stderr",
         ]
-        log = open(self._log, "ab")  # noqa: SIM115 - owned by the child process
         env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
-        self._process = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
-        log.close()
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                break
-            if self._healthy():
-                return
-            time.sleep(0.05)
-        self.stop()
-        tail = self._log.read_text(errors="replace")[-2000:] if self._log.exists() else ""
-        raise EtcdStartError(f"etcd on {self.endpoint} did not become healthy:\n{tail}")
+        self._spawn(cmd, self._log, self._healthy, self.start_timeout, f"etcd on {self.endpoint}", env=env)
 
     def _healthy(self) -> bool:
         try:
@@ -175,13 +189,7 @@ class PrometheusNotInstalledError(FileNotFoundError):
 
 def prometheus_binary() -> str:
     """The Prometheus executable to run, or :class:`PrometheusNotInstalledError`."""
-    explicit = os.environ.get("KVSHARD_PROMETHEUS_BINARY")
-    found = explicit or shutil.which("prometheus") or (
-        "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
-    if not found:
-        raise PrometheusNotInstalledError(
-            "prometheus not found: apt-get install prometheus, or set KVSHARD_PROMETHEUS_BINARY")
-    return found
+    return _binary("prometheus", "KVSHARD_PROMETHEUS_BINARY", PrometheusNotInstalledError, "prometheus")
 
 
 class PrometheusServer(_LocalServer):
@@ -221,19 +229,8 @@ class PrometheusServer(_LocalServer):
             "--web.enable-lifecycle",
             "--storage.tsdb.retention.time=1d",
         ]
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
-        self._process = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                break
-            if http_ok(f"{self.url}/-/ready", timeout=0.5):
-                return
-            time.sleep(0.1)
-        self.stop()
-        tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
-        raise RuntimeError(f"prometheus on {self.url} did not become ready:\n{tail}")
+        self._spawn(cmd, self.log_path, lambda: http_ok(f"{self.url}/-/ready", timeout=0.5), self.start_timeout,
+                    f"prometheus on {self.url}", start_new_session=True)
 
     def reload(self) -> None:
         """Ask Prometheus to re-read its config file."""

@@ -102,11 +102,6 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _pid(server: EtcdServer | PrometheusServer) -> int | None:
-    process = getattr(server, "_process", None)  # the test servers keep their Popen private
-    return None if process is None else int(process.pid)
-
-
 class LocalCluster:
     """etcd, a Kubernetes API, the operator, N sidecars, Prometheus and the router on loopback."""
 
@@ -375,7 +370,7 @@ class LocalCluster:
         """Every process of the cluster that runs now, with its URL and log."""
         rows: list[tuple[str, int | None, str, Path, bool]] = []
         if self._etcd is not None:
-            rows.append(("etcd", _pid(self._etcd), self._etcd.url, self.logs_dir / "etcd.log", False))
+            rows.append(("etcd", self._etcd.pid, self._etcd.url, self.logs_dir / "etcd.log", False))
         urls = {"kube-api": self.kube_url, "operator": self.operator_metrics_url, "router": self.router_url}
         for name, process in self._processes.items():
             rows.append((name, process.pid, urls.get(name, ""), process.log_path, True))
@@ -383,7 +378,7 @@ class LocalCluster:
             for pod in self._kubelet.pods.values():
                 rows.append((pod.name, pod.process.pid, pod.url, pod.process.log_path, True))
         if self._prometheus is not None:
-            rows.append(("prometheus", _pid(self._prometheus), self._prometheus.url,
+            rows.append(("prometheus", self._prometheus.pid, self._prometheus.url,
                          self.logs_dir / "prometheus.log", False))
         infos = []
         for name, pid, url, log_path, group in rows:

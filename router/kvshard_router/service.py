@@ -28,7 +28,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from kvshard.request_errors import RequestError
+from kvshard.request_errors import RequestError, error_body
 from kvshard_router.metrics import NO_POD, RouterMetrics, status_class
 from kvshard_router.policies import POLICIES, LoadTable, RouteRequest, RoutingPolicy
 from kvshard_router.snapshot import Snapshot
@@ -72,7 +72,7 @@ class Failure:
 
 
 def error_response(status: int, field: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"field": field, "message": message}}, status=status, headers=headers)
+    return web.json_response(error_body(field, message), status=status, headers=headers)
 
 
 class Router:
@@ -215,7 +215,7 @@ def _policy_name(policy: RoutingPolicy) -> str:
 
 
 def _json_error(field: str, message: str) -> bytes:
-    return json.dumps({"error": {"field": field, "message": message}}).encode()
+    return json.dumps(error_body(field, message)).encode()
 
 
 def _message(body: bytes) -> str:

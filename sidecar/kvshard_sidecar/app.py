@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvshard.request_errors import RequestError
+from kvshard.request_errors import RequestError, error_body
 from kvshard.segments import is_block_key
 from kvshard_sidecar.follower import PlacementFollower
 from kvshard_sidecar.peers import TOKEN_HEADER, bearer
@@ -55,7 +55,7 @@ class Admission:
 
 
 def _error(status: int, field: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"field": field, "message": message}}, status=status, headers=headers)
+    return web.json_response(error_body(field, message), status=status, headers=headers)
 
 
 @web.middleware
