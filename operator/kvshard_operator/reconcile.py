@@ -183,12 +183,13 @@ async def reconcile(
                 # pods/resume/retry keep the rebalancer's extra replicas of hot clusters; a spec edit re-places
                 keep_hot = trigger != "spec"
                 replicas, sizes = int(spec["itemReplicas"]), _cluster_bytes(cat, labels, settings.kv_bytes_per_token)
+                capacities = dict.fromkeys(live, capacity)
                 assignment = placement.assign_clusters(
-                    clusters, dict.fromkeys(live, capacity), replicas=replicas,
+                    clusters, capacities, replicas=replicas,
                     previous=placement.base_replicas(prior, replicas) if keep_hot else prior, cluster_bytes=sizes,
                 )
                 if keep_hot:
-                    assignment = placement.keep_extra_replicas(assignment, prior, dict.fromkeys(live, capacity),
+                    assignment = placement.keep_extra_replicas(assignment, prior, capacities,
                                                                replicas=replicas, cluster_bytes=sizes)
             except placement.PlacementError as exc:
                 reason = "InsufficientCapacity" if isinstance(exc, placement.InsufficientCapacityError) else "NoPods"

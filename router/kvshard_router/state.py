@@ -150,7 +150,7 @@ class RouterState:
         assert placement is not None
         pods = set(placement.pods) | {p for holders in placement.assignment.values() for p in holders}
         self.forget_health(pods)
-        health = {pod: self.url(pod) is not None and self.health.get(pod, False) for pod in pods}
+        health = {pod: self.routable(pod) for pod in pods}
         warm = {pod: clusters for pod, clusters in warm_from_reports(self.reports).items() if pod in pods}
         self.snapshot = build_snapshot(placement, warm, health, items=items,
                                        default_item_tokens=self.default_item_tokens)
