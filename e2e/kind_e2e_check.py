@@ -39,11 +39,13 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str
 def recommend(url: str, count: int, timeout: float) -> int:
     failures = 0
     for i in range(count):
-        body = {**REQUESTS[i % len(REQUESTS)], "max_tokens": 4}
+        body = REQUESTS[i % len(REQUESTS)]
         started = time.monotonic()
         status, answer = _post(f"{url.rstrip('/')}/v1/recommend", body, timeout)
         elapsed = time.monotonic() - started
-        ok = status == 200 and bool(answer.get("text"))
+        ranked = [entry.get("candidate") for entry in answer.get("ranking") or []]
+        ok = status == 200 and answer.get("candidate") in body["candidates"] and sorted(ranked) == sorted(
+            body["candidates"])
         failures += not ok
         print(f"request {i + 1}/{count}: HTTP {status} in {elapsed:.1f} s, candidate={answer.get('candidate')!r}"
               + ("" if ok else f" FAILED: {answer}"))

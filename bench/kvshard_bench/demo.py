@@ -13,7 +13,8 @@ then replays MovieLens sessions through the router in three phases:
 :mod:`demo_watch` reads the placement generation and the warm reports from etcd once a second (what
 the router and sidecars follow) and the CacheShard's conditions every few seconds. At the end, a sample
 of the same requests is re-sent one at a time straight to the sidecar that served it, blended and
-with ``blend.ratio = 1`` (exact full prefill), for TTFT and first-token agreement. The numbers and
+with ``blend.ratio = 1`` (exact full prefill), for TTFT, agreement of the chosen candidate and the
+quality of both rankings against the item the user rated next. The numbers and
 the picture come from :mod:`demo_report`; files go to ``--out`` (default ``<user cache>/demo``).
 """
 
@@ -255,7 +256,7 @@ class Replay:
                                request.trending)
         try:
             url = f"{self.cluster.router_url}/v1/recommend"
-            async with self.http.post(url, json=request.body(max_tokens=1)) as resp:
+            async with self.http.post(url, json=request.body()) as resp:
                 record.status = resp.status
                 record.pod = resp.headers.get("X-Kvshard-Pod")
                 body = await resp.json(content_type=None)
@@ -269,6 +270,8 @@ class Replay:
             record.query = {k: int(v) for k, v in body["tokens"]["query"].items()}
             record.hit = {k: {t: int(n) for t, n in v.items()} for k, v in body["tokens"]["hit"].items()}
             record.label, record.candidate = body.get("label"), body.get("candidate")
+            record.target_rank = report.target_rank(body, request.target)
+            record.num_candidates = len(request.candidates)
         elif isinstance(body, dict):
             record.error = json.dumps(body.get("error", body))[:300]
         if placement is not None:
@@ -297,14 +300,15 @@ class Replay:
         for record in chosen:
             request = self.requests[record.index]
             url = f"{self.cluster.sidecar_urls[record.pod]}/v1/recommend"
-            blended = await self._direct(url, request.body(max_tokens=1))
-            full = await self._direct(url, request.body(max_tokens=1, blend={"ratio": 1.0}))
+            blended = await self._direct(url, request.body())
+            full = await self._direct(url, request.body(blend={"ratio": 1.0}))
             if blended is None or full is None:
                 continue
             assert record.pod is not None
             pairs.append(report.PrefillPair(record.index, record.pod, float(blended["timings"]["ttft_ms"]),
                                             float(full["timings"]["ttft_ms"]), blended.get("label"),
-                                            full.get("label")))
+                                            full.get("label"), report.target_rank(blended, request.target),
+                                            report.target_rank(full, request.target), len(request.candidates)))
         return pairs
 
     async def _direct(self, url: str, body: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -12,7 +12,11 @@ without a cluster:
   on the same requests (``i mod healthy pods``) — a counterfactual computed from the same placement,
   not a second replay;
 * TTFT p50/p99 of the replay, and of blended vs full prefill (``blend.ratio = 1``) on the same
-  requests sent one at a time to the same sidecar; first-token (label) agreement between the two;
+  requests sent one at a time to the same sidecar; agreement of the chosen candidate between the two
+  (the answer is a ranking over the candidates, :mod:`kvshard.ranking`);
+* recommendation quality — HR@1, HR@5, NDCG@10 of the rankings against the item the user actually
+  rated next — of the replay, of blended and full prefill on the re-sent requests, and of a random
+  ranking (its expectation), so "same as full prefill" and "useful at all" sit side by side;
 * per-pod request share per phase with the max/mean imbalance, the generations seen and what each
   new generation changed.
 """
@@ -24,6 +28,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from kvshard.ranking import QUALITY_METRICS, hit_at, ndcg_at, random_quality
 
 TIERS = ("memory", "disk", "peer")
 KIND_ORDER = ("system", "history", "free", "item", "instruction")
@@ -49,6 +55,9 @@ class Record:
     hit: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     label: str | None = None
     candidate: str | None = None
+    target_rank: int | None = None
+    """0-based position of the target in the answer's ranking (None: no ranking came back)."""
+    num_candidates: int = 0
     held: float | None = None
     """Share of candidates whose cluster the serving pod was assigned (None: pod or placement unknown)."""
     rr_held: float | None = None
@@ -80,9 +89,35 @@ class PrefillPair:
     full_ttft_ms: float
     blended_label: str | None
     full_label: str | None
+    blended_rank: int | None = None
+    """0-based position of the target in each answer's ranking."""
+    full_rank: int | None = None
+    num_candidates: int = 0
 
 
 # ------------------------------------------------------------------------------------- arithmetic
+
+
+def target_rank(answer: Mapping[str, Any], target: str) -> int | None:
+    """Where ``target`` sits in a ``/v1/recommend`` answer's ``ranking`` (None: absent or no ranking)."""
+    ranked = [entry.get("candidate") for entry in answer.get("ranking") or [] if isinstance(entry, Mapping)]
+    return ranked.index(target) if target in ranked else None
+
+
+def quality_of(ranks: Iterable[tuple[int | None, int]]) -> dict[str, float | int | None]:
+    """Mean HR@1/HR@5/NDCG@10 over (target rank, candidates) pairs with a rank, beside the random
+    expectation for the same candidate counts; ``requests`` counts the pairs used."""
+    used = [(rank, count) for rank, count in ranks if rank is not None and count > 0]
+    if not used:
+        return {"requests": 0, **dict.fromkeys(QUALITY_METRICS), **{f"random_{m}": None for m in QUALITY_METRICS}}
+    expected = [random_quality(count) for _, count in used]
+    return {
+        "requests": len(used),
+        "hr1": sum(hit_at(rank, 1) for rank, _ in used) / len(used),
+        "hr5": sum(hit_at(rank, 5) for rank, _ in used) / len(used),
+        "ndcg10": sum(ndcg_at(rank, 10) for rank, _ in used) / len(used),
+        **{f"random_{m}": sum(e[m] for e in expected) / len(expected) for m in QUALITY_METRICS},
+    }
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -192,7 +227,6 @@ def summarize(records: Sequence[Record], pairs: Sequence[PrefillPair], samples: 
     generations: dict[int, float] = {}
     for sample in samples:
         generations.setdefault(sample.generation, sample.t)
-    targets = [r for r in ok if r.candidate is not None]
     return {
         "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
         "wall_s": wall_s, "replay_s": max((r.sent_s + r.latency_s for r in records), default=0.0),
@@ -203,7 +237,9 @@ def summarize(records: Sequence[Record], pairs: Sequence[PrefillPair], samples: 
                     "speedup_p50": (f50 / b50) if b50 and f50 else None,
                     "speedup_p99": (f99 / b99) if b99 and f99 else None, "pairs": len(pairs)},
         "agreement": (sum(p.blended_label == p.full_label for p in pairs) / len(pairs)) if pairs else None,
-        "target_accuracy": (sum(r.candidate == r.target for r in targets) / len(targets)) if targets else None,
+        "quality": {"replay": quality_of((r.target_rank, r.num_candidates) for r in ok),
+                    "blended": quality_of((p.blended_rank, p.num_candidates) for p in pairs),
+                    "full": quality_of((p.full_rank, p.num_candidates) for p in pairs)},
         "phases": phases,
         "generations": {str(g): t for g, t in sorted(generations.items())},
         "changes": {str(g): list(lines) for g, lines in sorted(changes.items())},
@@ -254,8 +290,15 @@ def render(summary: Mapping[str, Any]) -> str:
         ["blended", _fmt(t["blended_p50"]), _fmt(t["blended_p99"])],
         ["full prefill", _fmt(t["full_p50"]), _fmt(t["full_p99"])],
         ["speed-up", _fmt(t["speedup_p50"], ".2f", "x"), _fmt(t["speedup_p99"], ".2f", "x")]]) + [""]
-    out += [f"Agreement with full prefill (same first token / label): {_fmt(summary['agreement'], '.0%')}; "
-            f"chose the user's actual next item: {_fmt(summary['target_accuracy'], '.0%')}", ""]
+    out += [f"Agreement with full prefill (same chosen candidate): {_fmt(summary['agreement'], '.0%')}", ""]
+    quality: Mapping[str, Mapping[str, Any]] = summary["quality"]
+    out += ["Recommendation quality against the item the user rated next (random: a random ranking's expectation)"]
+    rows = [[name, str(q["requests"]), *(_fmt(q[m], ".2f") for m in QUALITY_METRICS)]
+            for name, q in (("replay (blended, under load)", quality["replay"]),
+                            ("blended, re-sent", quality["blended"]), ("full prefill, re-sent", quality["full"]))]
+    rows.append(["random", str(quality["replay"]["requests"]),
+                 *(_fmt(quality["replay"][f"random_{m}"], ".2f") for m in QUALITY_METRICS)])
+    out += _table(["ranking", "requests", "HR@1", "HR@5", "NDCG@10"], rows) + [""]
     phases: Mapping[str, Mapping[str, Any]] = summary["phases"]
     pods = sorted({p for v in phases.values() for p in v["share"]})
     out += ["Per-pod request share per phase"]

@@ -1,12 +1,19 @@
 """``kvshard bench fidelity``: TTFT and fidelity to full prefill of every blend method, side by side.
 
-Fidelity to ``full`` is what gates the engine (SmolLM2-135M is a weak, position-biased recommender,
-so ``ndcg10``/``hr1`` against the held-out item are for information only). Per request and method:
+The answer a recommender returns is the ranking over the candidates' labels (:mod:`kvshard.ranking`),
+so fidelity to ``full`` is measured on it. Per request and method:
 
-* ``kl`` — KL(full ‖ method) of the first generated token's distribution over the whole vocabulary;
-* ``label_kl`` — the same over the candidate labels only (softmax over their logits);
+* ``top1_agreement`` — the method's chosen *candidate* (argmax over the label logits) is full's;
+* ``token_top1_agreement`` — the free first token equals full's (a near tie between "A" and "The"
+  flips it while the ranking barely moves: kept for comparison, not to gate on);
 * ``tau`` — Kendall tau-b between full's and the method's candidate-label logits;
-* ``top1_agreement`` — the method's first token equals full's.
+* ``label_kl`` — KL(full ‖ method) over the candidate labels only (softmax over their logits);
+* ``kl`` — the same over the whole vocabulary.
+
+Recommendation quality sits beside fidelity so a reader sees both "same as full prefill" and "useful at
+all": ``hr1``, ``hr5`` and ``ndcg10`` of each method's ranking against the user's held-out item (the
+``full`` row is full prefill's own quality), and a ``random`` row with a uniformly random ranking's
+expectation.
 
 TTFT is the median over requests with every block already cached (each prompt is blended once,
 cold, before the timed runs); the cold path (blocks computed, then stored) is a separate row.
@@ -18,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +35,7 @@ from tqdm import tqdm
 
 from kvshard.datasets import load_dataset
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
+from kvshard.ranking import QUALITY_METRICS, best_index, kendall_tau, quality, random_quality
 from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings, MemoryBlockSource
 
 Row = dict[str, Any]
@@ -107,44 +114,18 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
     return max(0.0, float((p.exp() * (p - q)).sum()))
 
 
-def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
-    """Kendall tau-b (ties in either ranking handled); 1.0 when both are constant."""
-    concordant = discordant = ties_a = ties_b = 0
-    for i in range(len(a)):
-        for j in range(i + 1, len(a)):
-            da, db = a[i] - a[j], b[i] - b[j]
-            if da == 0 and db == 0:
-                continue
-            if da == 0:
-                ties_a += 1
-            elif db == 0:
-                ties_b += 1
-            elif (da > 0) == (db > 0):
-                concordant += 1
-            else:
-                discordant += 1
-    denominator = math.sqrt((concordant + discordant + ties_a) * (concordant + discordant + ties_b))
-    return (concordant - discordant) / denominator if denominator else 1.0
-
-
-def task_metrics(label_logits: torch.Tensor, target: int | None) -> tuple[float, float]:
-    """(ndcg@10, hit@1) of ranking candidates by their label logits against the held-out item."""
-    if target is None:
-        return 0.0, 0.0
-    rank = int((label_logits > label_logits[target]).sum())
-    return (1.0 / math.log2(rank + 2) if rank < 10 else 0.0), float(rank == 0)
-
-
 def score(full: BlendResult, result: BlendResult, request: RecommendationPrompt) -> dict[str, float]:
+    """Fidelity of ``result`` to ``full`` and its recommendation quality, for one request."""
     labels = torch.tensor(request.label_token_ids)
-    ref_labels, labels_logits = full.logits[labels], result.logits[labels]
-    ndcg, hit = task_metrics(labels_logits, request.target_index)
+    ref_labels, label_logits = full.logits[labels].tolist(), result.logits[labels].tolist()
+    target = request.target_index
     return {
         "kl": kl_divergence(full.logits, result.logits),
-        "label_kl": kl_divergence(ref_labels, labels_logits),
-        "tau": kendall_tau(ref_labels.tolist(), labels_logits.tolist()),
-        "top1_agreement": float(int(full.logits.argmax()) == int(result.logits.argmax())),
-        "ndcg10": ndcg, "hr1": hit,
+        "label_kl": kl_divergence(torch.tensor(ref_labels), torch.tensor(label_logits)),
+        "tau": kendall_tau(ref_labels, label_logits),
+        "top1_agreement": float(best_index(ref_labels) == best_index(label_logits)),
+        "token_top1_agreement": float(int(full.logits.argmax()) == int(result.logits.argmax())),
+        **(quality(label_logits, target) if target is not None else {}),
     }
 
 
@@ -184,7 +165,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                        recompute=result.recompute_ratio)
             samples.setdefault((name, ratio), []).append(row)
     progress.close()
-    rows = summarize(samples, cold_ms)
+    rows = summarize(samples, cold_ms, args.candidates)
     print(f"{len(requests)} requests, {args.history} history items, {args.candidates} candidates, "
           f"~{statistics.mean(r['tokens'] for r in samples[('full', 1.0)]):.0f} tokens; "
           f"prefill context {args.prefill_context}, deviation on {args.deviation_on} "
@@ -241,7 +222,11 @@ def _timed(repeats: int, call: Callable[..., BlendResult], *call_args: Any) -> B
     return results[len(results) // 2]
 
 
-def summarize(samples: dict[tuple[str, float], list[dict[str, float]]], cold_ms: list[float]) -> list[Row]:
+FIDELITY_METRICS = ("kl", "label_kl", "tau", "top1_agreement", "token_top1_agreement")
+
+
+def summarize(samples: dict[tuple[str, float], list[dict[str, float]]], cold_ms: list[float],
+              candidates: int) -> list[Row]:
     full_ms = statistics.median(s["ttft_ms"] for s in samples[("full", 1.0)])
     prefix_ms = statistics.median(s["ttft_ms"] for (name, _), runs in samples.items() if name == "prefix"
                                   for s in runs)
@@ -253,24 +238,29 @@ def summarize(samples: dict[tuple[str, float], list[dict[str, float]]], cold_ms:
         row: Row = {"method": name, "ratio": round(ratio, 4), "ttft_ms": round(ttft, 2),
                     "speedup_vs_full": round(full_ms / ttft, 3), "speedup_vs_prefix": round(prefix_ms / ttft, 3),
                     "ideal_speedup": round(statistics.mean(s["ideal"] for s in runs), 3)}
-        for metric in ("kl", "label_kl", "tau", "top1_agreement", "ndcg10", "hr1"):
-            row[metric] = round(statistics.mean(s[metric] for s in runs), 4)
+        for metric in (*FIDELITY_METRICS, *QUALITY_METRICS):
+            values = [s[metric] for s in runs if metric in s]
+            row[metric] = round(statistics.mean(values), 4) if values else None
         row["recompute_ratio"] = round(statistics.mean(s["recompute"] for s in runs), 4)
         rows.append(row)
+    empty = dict.fromkeys(("ideal_speedup", *FIDELITY_METRICS, *QUALITY_METRICS, "recompute_ratio"))
     cold = statistics.median(cold_ms)
-    rows.append({"method": "cold", "ratio": None, "ttft_ms": round(cold, 2),
+    rows.append({**empty, "method": "cold", "ratio": None, "ttft_ms": round(cold, 2),
                  "speedup_vs_full": round(full_ms / cold, 3), "speedup_vs_prefix": round(prefix_ms / cold, 3),
-                 "ideal_speedup": None, "kl": None, "label_kl": None, "tau": None, "top1_agreement": None,
-                 "ndcg10": None, "hr1": None, "recompute_ratio": None,
                  "note": "first blend of each request, its uncached blocks computed and stored"})
+    expected = {metric: round(value, 4) for metric, value in random_quality(candidates).items()}
+    rows.append({**empty, **expected, "method": "random", "ratio": None, "ttft_ms": None, "speedup_vs_full": None,
+                 "speedup_vs_prefix": None,
+                 "note": f"expected quality of a uniformly random ranking of {candidates} candidates"})
     return rows
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    columns = ["method", "ratio", "ttft_ms", "speedup_vs_full", "speedup_vs_prefix", "ideal_speedup", "kl",
-               "label_kl", "tau", "top1_agreement", "ndcg10", "hr1", "recompute_ratio"]
-    headers = ["method", "r", "ttft_ms", "x_full", "x_prefix", "ideal", "kl", "label_kl", "tau", "top1",
-               "ndcg10", "hr1", "recomp"]
+    columns = ["method", "ratio", "ttft_ms", "speedup_vs_full", "speedup_vs_prefix", "ideal_speedup",
+               "top1_agreement", "token_top1_agreement", "tau", "label_kl", "kl", "hr1", "hr5", "ndcg10",
+               "recompute_ratio"]
+    headers = ["method", "r", "ttft_ms", "x_full", "x_prefix", "ideal", "cand_top1", "token_top1", "tau",
+               "label_kl", "kl", "hr1", "hr5", "ndcg10", "recomp"]
     cells = [[_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]

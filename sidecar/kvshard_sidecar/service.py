@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from kvshard.datasets import Dataset, Item, load_dataset
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
+from kvshard.ranking import rank_candidates
 from kvshard.request_errors import RequestError
 from kvshard.segments import Prompt
 from kvshard_sidecar.blockstore import BlockStore, encode_block
@@ -27,7 +28,7 @@ from kvshard_sidecar.metrics import SidecarMetrics
 from kvshard_sidecar.peers import HoldersOf, PeerFetcher, PlacementHolders, static_holders
 from kvshard_sidecar.settings import SidecarSettings
 from kvshard_sidecar.validation import Limits, RecommendCall
-from kvshard_sidecar.vllm_client import VllmClient
+from kvshard_sidecar.vllm_client import Completion, VllmClient
 
 log = logging.getLogger(__name__)
 
@@ -109,25 +110,31 @@ class SidecarService:
         return built
 
     def recommend(self, call: RecommendCall) -> dict[str, Any]:
-        """Blend, decode (here or in vLLM), and report what was cached where (worker thread)."""
+        """Blend, rank the candidates or decode (here or in vLLM), and report what was cached where
+        (worker thread)."""
         started = time.perf_counter()
         built = self.build(call)
-        if self.settings.engine == "vllm":
-            result, token_ids, text, top, ttft_s, extra = self._decode_in_vllm(built, call)
+        if call.mode == "rank":
+            result, scores, ttft_s, extra = self._label_scores(built, call)
+            ranking = rank_candidates(built.request.candidates, built.labels, scores)
+            answer: dict[str, Any] = {
+                "mode": "rank", "label": ranking[0].label, "candidate": ranking[0].candidate,
+                "ranking": [ranked.as_json() for ranked in ranking[: call.top_k]]}
         else:
-            result, token_ids, text, top, ttft_s, extra = self._decode_embedded(built, call)
-        label = self.tokenizer.decode(token_ids[:1]).strip()
+            result, token_ids, text, top, ttft_s, extra = self._generate(built, call)
+            label = self.tokenizer.decode(token_ids[:1]).strip()
+            answer = {
+                "mode": "generate", "text": text, "label": label if label in built.labels else None,
+                "candidate": built.candidate_for_label(label),
+                "logprobs": [{"token_id": t, "token": self.tokenizer.decode([t]), "logprob": round(v, 6)}
+                             for t, v in top.items()]}
         self._record(result, ttft_s)
         return {
-            "text": text,
-            "label": label if label in built.labels else None,
-            "candidate": built.candidate_for_label(label),
+            **answer,
             "engine": self.settings.engine,
             "model": self.model_name,
             "pod": self.settings.name,
             "blend": {"selector": call.blend.selector, "ratio": call.blend.ratio},
-            "logprobs": [{"token_id": t, "token": self.tokenizer.decode([t]), "logprob": round(v, 6)}
-                         for t, v in top.items()],
             "timings": {"ttft_ms": round(ttft_s * 1000, 3),
                         "total_ms": round((time.perf_counter() - started) * 1000, 3),
                         "blend_ms": round(result.ttft_s * 1000, 3), **extra,
@@ -137,20 +144,40 @@ class SidecarService:
                        "hit": result.hit_tokens, "computed": result.computed_tokens},
         }
 
-    def _decode_embedded(self, built: RecommendationPrompt, call: RecommendCall
-                         ) -> tuple[Any, list[int], str, dict[int, float], float, dict[str, float]]:
-        from kvshard_sidecar.engine.results import Sampling
+    def _label_scores(self, built: RecommendationPrompt, call: RecommendCall
+                      ) -> tuple[Any, list[float], float, dict[str, float]]:
+        """Each candidate's label score at the answer position: the embedded engine's logits, or
+        vLLM's full-vocabulary log-probabilities of the label tokens (same order up to a constant)."""
+        labels = built.label_token_ids
+        if self._vllm is None:
+            result = self._engine.blend(built.prompt, call.blend)
+            return result, result.logits[list(labels)].tolist(), result.ttft_s, {}
+        vllm = self._vllm
+        result, completion, ttft_s, extra = self._through_vllm(
+            built, call, lambda tokens: vllm.label_logprobs(tokens, labels))
+        return result, [completion.top_logprobs[t] for t in labels], ttft_s, extra
 
-        result, generation = self._engine.generate(
-            built.prompt, call.max_tokens, call.blend, Sampling(temperature=call.temperature),
-            stop_token_ids=self._eos)
-        text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
-        return result, generation.token_ids, text, top_logprobs(result.logits, call.logprobs), result.ttft_s, {}
+    def _generate(self, built: RecommendationPrompt, call: RecommendCall
+                  ) -> tuple[Any, list[int], str, dict[int, float], float, dict[str, float]]:
+        """Free decoding: the embedded engine decodes on the blended KV, or vLLM does."""
+        if self._vllm is None:
+            from kvshard_sidecar.engine.results import Sampling
 
-    def _decode_in_vllm(self, built: RecommendationPrompt, call: RecommendCall
-                        ) -> tuple[Any, list[int], str, dict[int, float], float, dict[str, float]]:
-        """Blend here, hand the prompt KV to vLLM through the exchange, let vLLM decode."""
-        assert self._vllm is not None and self._exchange is not None
+            result, generation = self._engine.generate(
+                built.prompt, call.max_tokens, call.blend, Sampling(temperature=call.temperature),
+                stop_token_ids=self._eos)
+            text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+            return result, generation.token_ids, text, top_logprobs(result.logits, call.logprobs), result.ttft_s, {}
+        vllm = self._vllm
+        result, completion, ttft_s, extra = self._through_vllm(
+            built, call, lambda tokens: vllm.complete(tokens, call.max_tokens, call.temperature, call.logprobs))
+        ranked = sorted(completion.top_logprobs.items(), key=lambda pair: -pair[1])
+        return result, completion.token_ids, completion.text, dict(ranked[: call.logprobs]), ttft_s, extra
+
+    def _through_vllm(self, built: RecommendationPrompt, call: RecommendCall,
+                      ask: Callable[[Sequence[int]], Completion]) -> tuple[Any, Completion, float, dict[str, float]]:
+        """Blend here, hand the prompt KV to vLLM through the exchange, and ask vLLM (``ask``)."""
+        assert self._exchange is not None
         result = self._engine.blend(built.prompt, call.blend)
         tokens = built.prompt.token_ids
         n = result.num_tokens
@@ -158,15 +185,13 @@ class SidecarService:
         self._exchange.write(tokens, result.kv.keys[:, :, :n], result.kv.values[:, :, :n])
         exchange_s = time.perf_counter() - started
         try:
-            completion = self._vllm.complete(tokens, call.max_tokens, call.temperature, call.logprobs)
+            completion = ask(tokens)
         finally:
             self._exchange.remove(tokens)  # the connector removes it after loading; this covers failures
-        ranked = sorted(completion.top_logprobs.items(), key=lambda pair: -pair[1])
-        top = dict(ranked[: call.logprobs])
         ttft_s = result.ttft_s + exchange_s + completion.first_token_s
         extra = {"exchange_ms": round(exchange_s * 1000, 3),
                  "vllm_first_token_ms": round(completion.first_token_s * 1000, 3)}
-        return result, completion.token_ids, completion.text, top, ttft_s, extra
+        return result, completion, ttft_s, extra
 
     def _record(self, result: Any, ttft_s: float) -> None:
         metrics, name = self.metrics, self.model_name

@@ -19,9 +19,12 @@ from kvshard_sidecar.engine.settings import SELECTORS, BlendSettings, SettingsEr
 MAX_ID_LENGTH = 256
 MAX_INSTRUCTION_LENGTH = 2000
 BLEND_FIELDS = {"selector", "ratio", "check_layers", "schedule", "boundary_w", "deviation_on", "recompute_free"}
-RECOMMEND_FIELDS = {"user_id", "history", "candidates", "instruction", "max_tokens", "temperature", "blend", "logprobs"}
+RECOMMEND_FIELDS = {"user_id", "history", "candidates", "instruction", "mode", "top_k", "max_tokens", "temperature",
+                    "blend", "logprobs"}
+MODES = ("rank", "generate")
+# Decoding options and their defaults: rank mode accepts a field only at its default.
+GENERATE_DEFAULTS: dict[str, float] = {"max_tokens": 1, "temperature": 0.0, "logprobs": 0}
 MAX_LOGPROBS = 20
-
 
 
 @dataclass(frozen=True)
@@ -35,12 +38,19 @@ class Limits:
 
 @dataclass(frozen=True)
 class RecommendCall:
-    """A validated ``POST /v1/recommend``."""
+    """A validated ``POST /v1/recommend``.
+
+    ``mode="rank"`` (the default) answers with every candidate ranked by its label token's
+    log-probability at the answer position, ``top_k`` of them; ``mode="generate"`` decodes
+    ``max_tokens`` freely (``temperature``, ``logprobs`` of the first token) as a chat model would.
+    """
 
     user_id: str
     history: tuple[str, ...]
     candidates: tuple[str, ...]
     instruction: str | None = None
+    mode: str = "rank"
+    top_k: int | None = None  # rank mode: how many ranked candidates to return (None: all)
     max_tokens: int = 1
     temperature: float = 0.0
     blend: BlendSettings = field(default_factory=BlendSettings)
@@ -158,18 +168,40 @@ def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
     if instruction is not None and (not isinstance(instruction, str) or not instruction.strip()
                                     or len(instruction) > MAX_INSTRUCTION_LENGTH):
         raise RequestError("instruction", f"must be a non-empty string of at most {MAX_INSTRUCTION_LENGTH} characters")
+    mode = request.get("mode", "rank")
+    if mode not in MODES:
+        raise RequestError("mode", f"must be one of {', '.join(map(repr, MODES))}")
     blend = parse_blend(request.get("blend"), blend_defaults or BlendSettings())
+    candidates = _item_ids(request["candidates"], "candidates", items, limits.max_candidates,
+                           allow_empty=False, unique=True)
+    max_tokens = int(_number(request, "max_tokens", 1, 1, limits.max_new_tokens, integer=True))
+    temperature = float(_number(request, "temperature", 0.0, 0.0, 2.0))
+    logprobs = int(_number(request, "logprobs", 0, 0, MAX_LOGPROBS, integer=True))
+    top_k = None
+    if mode == "rank":
+        # Ranking reads one position's label log-probabilities: decoding options would be ignored,
+        # so asking for anything but their defaults is a mistake worth naming.
+        decoding = {"max_tokens": max_tokens, "temperature": temperature, "logprobs": logprobs}
+        for name, value in decoding.items():
+            if value != GENERATE_DEFAULTS[name]:
+                raise RequestError(name, "applies to \"mode\": \"generate\" only; \"rank\" (the default) "
+                                   "scores every candidate at the answer position")
+        if "top_k" in request:
+            top_k = int(_number(request, "top_k", 0, 1, limits.max_candidates, integer=True))
+    elif "top_k" in request:
+        raise RequestError("top_k", "applies to \"mode\": \"rank\" only")
     return RecommendCall(
         user_id=_identifier(request["user_id"], "user_id"),
         history=_item_ids(request.get("history", []), "history", items, limits.max_history,
                           allow_empty=True, unique=False),
-        candidates=_item_ids(request["candidates"], "candidates", items, limits.max_candidates,
-                             allow_empty=False, unique=True),
+        candidates=candidates,
         instruction=instruction,
-        max_tokens=int(_number(request, "max_tokens", 1, 1, limits.max_new_tokens, integer=True)),
-        temperature=float(_number(request, "temperature", 0.0, 0.0, 2.0)),
+        mode=mode,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        temperature=temperature,
         blend=blend,
-        logprobs=int(_number(request, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)),
+        logprobs=logprobs,
     )
 
 

@@ -77,10 +77,28 @@ class VllmClient:
 
     def complete(self, token_ids: Sequence[int], max_tokens: int, temperature: float = 0.0,
                  logprobs: int = 0) -> Completion:
+        """Free decoding: ``max_tokens`` tokens with the first token's ``logprobs`` most likely tokens."""
+        return self._stream({"prompt": list(token_ids), "max_tokens": max_tokens, "temperature": temperature,
+                             "logprobs": max(1, logprobs)})
+
+    def label_logprobs(self, token_ids: Sequence[int], label_token_ids: Sequence[int]) -> Completion:
+        """One step at the answer position with the full-vocabulary log-probability of every label token.
+
+        vLLM 0.32's ``logprob_token_ids`` returns exactly those tokens' log-probabilities (at most 128,
+        computed from the raw logits before any sampling parameter), so a ranking over 80 candidates
+        needs no ``--max-logprobs`` and no server flag. ``top_logprobs`` of the result holds them.
+        """
+        completion = self._stream({"prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0,
+                                   "logprobs": 1, "logprob_token_ids": list(label_token_ids)})
+        missing = [t for t in label_token_ids if t not in completion.top_logprobs]
+        if missing:
+            raise RuntimeError(f"vLLM returned no log-probability for label tokens {missing[:5]}: "
+                               "it needs logprob_token_ids support (vLLM 0.32 or newer)")
+        return completion
+
+    def _stream(self, request: dict[str, Any]) -> Completion:
         """Stream a completion so the first token's arrival time is measured, not guessed."""
-        body = {"model": self.model, "prompt": list(token_ids), "max_tokens": max_tokens,
-                "temperature": temperature, "stream": True, "return_tokens_as_token_ids": True,
-                "logprobs": max(1, logprobs)}
+        body = {"model": self.model, "stream": True, "return_tokens_as_token_ids": True, **request}
         started = time.perf_counter()
         connection = self._connection()
         try:

@@ -7,7 +7,10 @@ import argparse
 import pytest
 import torch
 
-from kvshard_bench.fidelity import add_arguments, kendall_tau, kl_divergence, method_settings, schedule, task_metrics
+from kvshard.prompts import RecommendationPrompt, RecommendationRequest
+from kvshard.segments import Prompt, Segment, SegmentKind
+from kvshard_bench.fidelity import add_arguments, kl_divergence, method_settings, schedule, score
+from kvshard_sidecar.engine import BlendResult
 
 
 def test_kl_is_zero_for_identical_logits_and_positive_otherwise() -> None:
@@ -20,19 +23,23 @@ def test_kl_is_zero_for_identical_logits_and_positive_otherwise() -> None:
     assert kl_divergence(p.log(), q.log()) == pytest.approx(expected)
 
 
-def test_kendall_tau_orders_and_ties() -> None:
-    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
-    assert -1.0 <= kendall_tau([1, 1, 2], [1, 2, 2]) <= 1.0
+def _result(logits: list[float]) -> BlendResult:
+    return BlendResult(method="x", logits=torch.tensor(logits), ttft_s=0.0, timings={}, num_tokens=3,
+                       exact_prefix_tokens=0, recomputed_tokens=3, token_layers=3, num_layers=1, query_tokens={},
+                       hit_tokens={}, computed_tokens={}, selected=torch.arange(3), kv=None)  # type: ignore[arg-type]
 
 
-def test_task_metrics_rank_the_target_by_its_label_logit() -> None:
-    logits = torch.tensor([0.1, 3.0, 2.0])
-    assert task_metrics(logits, 1) == (1.0, 1.0)
-    ndcg, hit = task_metrics(logits, 2)
-    assert hit == 0.0 and ndcg == pytest.approx(1 / 1.584962500721156)
-    assert task_metrics(logits, None) == (0.0, 0.0)
+def test_agreement_is_on_the_chosen_candidate_not_the_free_first_token() -> None:
+    """Token 0 plays "The" (no label); tokens 1-3 are the labels A-C of candidates x, y, z (target y)."""
+    request = RecommendationPrompt(RecommendationRequest("u", (), ("x", "y", "z"), target="y"),
+                                   Prompt.of([Segment(SegmentKind.FREE, (5, 6, 7))]), ("A", "B", "C"), (1, 2, 3))
+    full = _result([3.0, 2.9, 1.0, 0.5])  # free token "The", candidate A
+    blended = _result([2.0, 2.5, 1.0, 0.4])  # free token flips to "A"; the ranking A > B > C stays
+    got = score(full, blended, request)
+    assert (got["top1_agreement"], got["token_top1_agreement"], got["tau"]) == (1.0, 0.0, 1.0)
+    assert (got["hr1"], got["hr5"]) == (0.0, 1.0) and got["ndcg10"] == pytest.approx(1 / 1.584962500721156)
+    swapped = score(full, _result([3.0, 1.0, 2.9, 0.5]), request)  # same free token, candidate B chosen
+    assert (swapped["top1_agreement"], swapped["token_top1_agreement"], swapped["hr1"]) == (0.0, 1.0, 1.0)
 
 
 def test_gradual_schedule_narrows_to_the_ratio() -> None:

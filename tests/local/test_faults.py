@@ -423,8 +423,8 @@ def test_a_corrupt_block_file_is_never_served(cluster: LocalCluster) -> None:
     (file_x,), (file_y,) = read_x - read_y, read_y - read_x  # the system block is read by both
     key_x, key_y = file_x.name.removesuffix(".safetensors"), file_y.name.removesuffix(".safetensors")
 
-    request = {"user_id": "fault-check", "history": [], "candidates": [x, *others[:4]], "max_tokens": 1,
-               "logprobs": 1}
+    request = {"user_id": "fault-check", "history": [], "candidates": [x, *others[:4]], "mode": "generate",
+               "max_tokens": 1, "logprobs": 1}
     status, _, full = post(url + "/v1/recommend", {**request, "blend": {"ratio": 1.0}})
     assert status == 200, full
 

@@ -128,7 +128,7 @@ def test_local_cluster_places_scrapes_routes_and_restarts_pods(small_dataset: Pa
             cluster_id = reports[pod].clusters[0]
             items = placement.items_of(cluster_id)
             status, headers, answer = post(cluster.router_url + "/v1/recommend", {
-                "user_id": f"local-test-{pod}", "history": [], "candidates": items[:5], "max_tokens": 4})
+                "user_id": f"local-test-{pod}", "history": [], "candidates": items[:5]})
             assert status == 200, answer
             assert cluster_id in reports[headers["X-Kvshard-Pod"]].clusters, (pod, cluster_id, headers)
 

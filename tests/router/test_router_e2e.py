@@ -93,12 +93,15 @@ def test_the_router_process_in_front_of_two_real_sidecars(
         return {"user_id": user, "history": movielens.histories[user][:5],
                 "candidates": cluster[which][offset:offset + 4], "max_tokens": 1}
 
-    # (1) each request goes to the pod holding its candidates' cluster
+    # (1) each request goes to the pod holding its candidates' cluster; the answer's ranking (and the
+    # request's top_k) passes through the router untouched
     for n, (user, which) in enumerate([("1", 0), ("2", 1), ("3", 0), ("4", 1), ("5", 0)]):
-        status, headers, body = _call(f"{router_url}/v1/recommend", request(user, which, 4 * n))
+        sent = {**request(user, which, 4 * n), **({"top_k": 2} if n % 2 else {})}
+        status, headers, body = _call(f"{router_url}/v1/recommend", sent)
         assert status == 200, body
         assert headers["X-Kvshard-Pod"] == ("pod-a", "pod-b")[which] and headers["X-Kvshard-Generation"] == "1"
-        assert body["text"] and body["tokens"]["prompt"] > 0
+        assert body["candidate"] in sent["candidates"] and body["tokens"]["prompt"] > 0
+        assert len(body["ranking"]) == (2 if n % 2 else 4) and body["ranking"][0]["candidate"] == body["candidate"]
 
     # (2) malformed bodies get 400 naming the field; the sidecar's own 4xx passes through; still serving
     for raw, field in ((b"{not json", "body"), (b'{"candidates": ["1"]}', "user_id"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import re
 import time
 from typing import Any
@@ -30,11 +31,35 @@ def test_health_and_readiness(sidecar: Sidecar) -> None:
     assert status == 200 and body["model"] == "SmolLM2-135M-Instruct"
 
 
-def test_recommend_returns_text_candidate_and_timings(sidecar: Sidecar) -> None:
-    status, body = sidecar.json("POST", "/v1/recommend", {**REQUEST, "max_tokens": 2})
+def test_recommend_ranks_every_candidate_and_names_the_best(sidecar: Sidecar) -> None:
+    status, body = sidecar.json("POST", "/v1/recommend", REQUEST)
     assert status == 200, body
-    assert body["engine"] == "embedded" and body["text"]
+    assert body["mode"] == "rank" and body["engine"] == "embedded"
+    ranking = body["ranking"]
+    assert sorted(r["candidate"] for r in ranking) == sorted(REQUEST["candidates"])
+    assert [r["label"] for r in sorted(ranking, key=lambda r: REQUEST["candidates"].index(r["candidate"]))] == \
+        ["A", "B", "C", "D"]
+    logprobs = [r["logprob"] for r in ranking]
+    assert logprobs == sorted(logprobs, reverse=True) and all(lp <= 0 for lp in logprobs)
+    assert abs(sum(math.exp(lp) for lp in logprobs) - 1) < 1e-4  # a distribution over the candidates
+    assert (body["candidate"], body["label"]) == (ranking[0]["candidate"], ranking[0]["label"])
+    assert body["timings"]["ttft_ms"] > 0
+
+
+def test_top_k_limits_the_ranking_to_the_best(sidecar: Sidecar) -> None:
+    everything = sidecar.json("POST", "/v1/recommend", REQUEST)[1]["ranking"]
+    status, body = sidecar.json("POST", "/v1/recommend", {**REQUEST, "top_k": 2})
+    assert status == 200, body
+    assert [r["candidate"] for r in body["ranking"]] == [r["candidate"] for r in everything[:2]]
+
+
+def test_generate_mode_decodes_freely(sidecar: Sidecar) -> None:
+    status, body = sidecar.json("POST", "/v1/recommend",
+                                {**REQUEST, "mode": "generate", "max_tokens": 2, "logprobs": 3})
+    assert status == 200, body
+    assert body["mode"] == "generate" and body["text"] and "ranking" not in body
     assert body["candidate"] is None or body["candidate"] in REQUEST["candidates"]
+    assert len(body["logprobs"]) == 3
     assert body["timings"]["ttft_ms"] > 0
     assert body["tokens"]["prompt"] > 0 and 0 < body["tokens"]["recompute_ratio"] <= 1
     assert set(body["tokens"]["query"]) >= {"system", "history", "item", "instruction"}
@@ -58,6 +83,10 @@ def test_a_repeated_request_is_served_from_memory(sidecar: Sidecar) -> None:
         ({**REQUEST, "candidates": ["50", "50"]}, 400, "candidates[1]"),
         ({**REQUEST, "candidates": [str(i) for i in range(1, 200)]}, 400, "candidates"),
         ({**REQUEST, "max_tokens": "three"}, 400, "max_tokens"),
+        ({**REQUEST, "max_tokens": 4}, 400, "max_tokens"),  # rank mode reads one position
+        ({**REQUEST, "mode": "beam"}, 400, "mode"),
+        ({**REQUEST, "top_k": 0}, 400, "top_k"),
+        ({**REQUEST, "mode": "generate", "top_k": 2}, 400, "top_k"),
         ({**REQUEST, "blend": {"selector": "magic"}}, 400, "blend.selector"),
         ({"candidates": ["1"]}, 400, "user_id"),
         ({**REQUEST, "history": [str(1 + i % 1600) for i in range(150)]}, 413, "history"),

@@ -26,6 +26,20 @@ def test_a_valid_request_parses_with_defaults() -> None:
     call = parse_recommend(VALID, ITEMS, LIMITS)
     assert call.user_id == "7" and call.candidates == ("3", "4", "5")
     assert call.max_tokens == 1 and call.temperature == 0.0 and call.instruction is None
+    assert call.mode == "rank" and call.top_k is None
+
+
+def test_rank_mode_accepts_decoding_fields_only_at_their_defaults() -> None:
+    call = parse_recommend({**VALID, "max_tokens": 1, "temperature": 0, "logprobs": 0, "top_k": 2}, ITEMS, LIMITS)
+    assert (call.mode, call.top_k) == ("rank", 2)
+    for field, value in (("max_tokens", 2), ("temperature", 0.7), ("logprobs", 5)):
+        assert "generate" in reject({**VALID, field: value}).message
+
+
+def test_generate_mode_takes_decoding_fields() -> None:
+    call = parse_recommend({**VALID, "mode": "generate", "max_tokens": 4, "temperature": 0.5, "logprobs": 3},
+                           ITEMS, LIMITS)
+    assert (call.mode, call.max_tokens, call.temperature, call.logprobs) == ("generate", 4, 0.5, 3)
 
 
 def test_integer_ids_are_accepted_as_strings() -> None:
@@ -54,8 +68,15 @@ def test_integer_ids_are_accepted_as_strings() -> None:
         ({"max_tokens": 17}, "max_tokens"),
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"max_tokens": "4"}, "max_tokens"),
+        ({"mode": "generate", "max_tokens": 17}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"mode": "best"}, "mode"),
+        ({"mode": ["rank"]}, "mode"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": 11}, "top_k"),
+        ({"top_k": "2"}, "top_k"),
+        ({"mode": "generate", "top_k": 2}, "top_k"),
         ({"instruction": ""}, "instruction"),
         ({"instruction": 5}, "instruction"),
         ({"blend": []}, "blend"),

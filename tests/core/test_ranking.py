@@ -1,0 +1,86 @@
+"""Rankings over candidates: the answer a recommender returns, and how it is scored."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvshard.ranking import (
+    best_index,
+    kendall_tau,
+    label_logprobs,
+    quality,
+    random_quality,
+    rank_candidates,
+    rank_of,
+)
+
+scores_lists = st.lists(st.floats(-30, 30, allow_nan=False), min_size=1, max_size=40)
+
+
+@given(scores_lists)
+def test_a_ranking_holds_every_candidate_once_best_first_as_a_distribution(scores: list[float]) -> None:
+    candidates = [f"item-{i}" for i in range(len(scores))]
+    labels = [chr(ord("A") + i) if i < 26 else f"L{i}" for i in range(len(scores))]
+    ranking = rank_candidates(candidates, labels, scores)
+    assert sorted(r.candidate for r in ranking) == sorted(candidates)
+    assert all(labels[candidates.index(r.candidate)] == r.label for r in ranking)
+    logprobs = [r.logprob for r in ranking]
+    assert logprobs == sorted(logprobs, reverse=True)
+    assert math.isclose(math.fsum(math.exp(lp) for lp in logprobs), 1.0, rel_tol=1e-9)
+    assert ranking[0].candidate == candidates[best_index(scores)]
+
+
+@given(scores_lists, st.floats(-1e3, 1e3, allow_nan=False))
+def test_logits_and_full_vocabulary_logprobs_give_the_same_ranking(scores: list[float], shift: float) -> None:
+    """The embedded engine hands logits, vLLM full-vocabulary log-probabilities: a constant apart."""
+    shifted = [s + shift for s in scores]
+    for a, b in zip(label_logprobs(scores), label_logprobs(shifted), strict=True):
+        assert math.isclose(a, b, abs_tol=1e-6)
+
+
+def test_ties_keep_the_prompt_order() -> None:
+    ranking = rank_candidates(["x", "y", "z"], ["A", "B", "C"], [1.0, 2.0, 2.0])
+    assert [r.candidate for r in ranking] == ["y", "z", "x"]
+    assert best_index([1.0, 2.0, 2.0]) == 1 and rank_of([1.0, 2.0, 2.0], 2) == 1
+
+
+def test_a_label_with_no_probability_ranks_last() -> None:
+    ranking = rank_candidates(["x", "y"], ["A", "B"], [-math.inf, 0.0])
+    assert [(r.candidate, r.logprob) for r in ranking] == [("y", 0.0), ("x", -math.inf)]
+    with pytest.raises(ValueError, match="-inf"):
+        label_logprobs([-math.inf, -math.inf])
+
+
+def test_mismatched_lengths_are_refused() -> None:
+    with pytest.raises(ValueError, match="as many"):
+        rank_candidates(["x", "y"], ["A"], [0.0, 1.0])
+
+
+def test_quality_reads_the_rank_of_the_held_out_item() -> None:
+    scores = [0.1, 0.9, 0.5, 0.3, 0.2, 0.8, 0.0]  # target index 3 is 4th best (rank 3)
+    assert quality(scores, 1) == {"hr1": 1.0, "hr5": 1.0, "ndcg10": 1.0}
+    assert quality(scores, 3) == {"hr1": 0.0, "hr5": 1.0, "ndcg10": 1 / math.log2(5)}
+    assert quality(scores, 6)["hr5"] == 0.0 and quality(scores, 6)["ndcg10"] == 1 / math.log2(8)
+
+
+@pytest.mark.parametrize("count", [2, 5, 12, 20])
+def test_the_random_expectation_is_the_mean_over_every_target_position(count: int) -> None:
+    scores = [float(count - i) for i in range(count)]  # a fixed ranking; the target is uniform
+    by_position = [quality(scores, target) for target in range(count)]
+    expected = random_quality(count)
+    for metric, value in expected.items():
+        assert math.isclose(value, statistics.mean(q[metric] for q in by_position))
+    assert random_quality(20)["hr1"] == 0.05 and random_quality(20)["hr5"] == 0.25
+
+
+def test_kendall_tau_is_one_for_the_same_order_and_minus_one_reversed() -> None:
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert kendall_tau([1, 1], [2, 2]) == 1.0
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+    assert -1.0 <= kendall_tau([1, 1, 2], [1, 2, 2]) <= 1.0
