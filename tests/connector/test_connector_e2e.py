@@ -15,9 +15,11 @@ independent):
    the worker: the blocks are reported as failed and vLLM (``kv_load_failure_policy: recompute``)
    recomputes the prompt, so the answer is right again.
 
-A second server runs with vLLM's prefix cache on (its default): the same prompt injected twice, so
-the second request finds its full blocks in vLLM's own cache and the connector must load only the
-tokens after them (the path a shared system prompt takes in production).
+A second server runs with vLLM's prefix cache on (its default), which the connector allows only with
+``"allow_prefix_caching": true`` in its extra config (safe here: the injected KV is exact) and then
+warns about in vLLM's log: the same prompt injected twice, so the second request finds its full
+blocks in vLLM's own cache and the connector must load only the tokens after them.
+(``test_prefix_cache_guard`` checks that without the override vLLM refuses to start.)
 
 Run it directly (``python tests/connector/test_connector_e2e.py``) to print the numbers.
 """
@@ -28,6 +30,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,12 +96,12 @@ class VllmServer:
     """vLLM with the connector, started by the shared launch command in its own process group."""
 
     def __init__(self, model_path: Path, exchange_dir: Path, log_path: Path,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, connector_extra: Mapping[str, Any] | None = None) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.process = ManagedProcess(
-            server_command(sys.executable, model_path, port, exchange_dir=exchange_dir,
-                           prefix_caching=prefix_caching, served_name=SERVED_NAME, max_model_len=1024),
+            server_command(sys.executable, model_path, port, exchange_dir=exchange_dir, prefix_caching=prefix_caching,
+                           served_name=SERVED_NAME, max_model_len=1024, connector_extra=connector_extra),
             log_path, f"{self.url}/health", env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
             start_timeout=STARTUP_TIMEOUT_S)
         self.client = VllmClient(self.url, SERVED_NAME)
@@ -123,6 +126,9 @@ class VllmServer:
 
     def log_tail(self) -> str:
         return self.process.log_tail()
+
+    def log(self) -> str:
+        return self.process.log_path.read_text(errors="replace")
 
 
 def max_logprob_difference(expected: dict[int, float], actual: dict[int, float]) -> float:
@@ -201,13 +207,16 @@ class PrefixCachedResult:
     sources_first: dict[str, float]
     sources_both: dict[str, float]
     stats: dict[str, int]
+    log: str  # vLLM's whole log
 
 
 def run_prefix_cached(model_path: Path, workdir: Path, ref: Reference) -> PrefixCachedResult:
     from kvshard_sidecar.exchange import KVExchange, read_connector_stats
 
     exchange = KVExchange(workdir / "exchange")
-    server = VllmServer(model_path, exchange.directory, workdir / "vllm.log", prefix_caching=True)
+    # The override is safe here only because the injected KV is the exact prefill (no blending).
+    server = VllmServer(model_path, exchange.directory, workdir / "vllm.log", prefix_caching=True,
+                        connector_extra={"allow_prefix_caching": True})
     try:
         server.start()
         exchange.write(ref.token_ids, ref.keys, ref.values)
@@ -219,7 +228,7 @@ def run_prefix_cached(model_path: Path, workdir: Path, ref: Reference) -> Prefix
     finally:
         server.stop()
     return PrefixCachedResult(second, sources_first, sources_both,
-                              read_connector_stats(exchange.directory / "stats"))
+                              read_connector_stats(exchange.directory / "stats"), server.log())
 
 
 def _model_path() -> Path:
@@ -311,6 +320,19 @@ def test_with_vllm_prefix_cache_only_tokens_after_the_cached_blocks_are_loaded(
     assert prefix_cached.stats["tokens_loaded"] == prompt - 1 + external_second
     assert next(iter(prefix_cached.second)) == max(ref.top_logprobs, key=ref.top_logprobs.__getitem__)
     assert max_logprob_difference(ref.top_logprobs, prefix_cached.second) <= LOGPROB_TOLERANCE
+
+
+def test_prefix_caching_allowed_by_the_override_is_logged_as_a_warning(
+    prefix_cached: PrefixCachedResult
+) -> None:
+    """Case 2 of issue 16: ``"allow_prefix_caching": true`` lets vLLM serve (the test above) and
+    each connector role says in vLLM's own log what it risks."""
+    from kvshard_sidecar.connector import PREFIX_CACHING_ALLOWED
+
+    warnings = [line for line in prefix_cached.log.splitlines()
+                if "WARNING" in line and PREFIX_CACHING_ALLOWED in line]
+    assert any("kvshard connector (scheduler)" in line for line in warnings), prefix_cached.log[-3000:]
+    assert any("kvshard connector (worker)" in line for line in warnings), prefix_cached.log[-3000:]
 
 
 def _top_overlap(expected: dict[int, float], actual: dict[int, float]) -> int:

@@ -139,9 +139,22 @@ Call with (dict "ctx" $ "prefix" "KVSHARD_ROUTER_"); renders list items at colum
 {{- if .Values.autoscaling.enabled }}{{ .Values.autoscaling.maxReplicas }}{{ else }}{{ .Values.engine.replicas }}{{ end }}
 {{- end }}
 
+{{/*
+Fails the render on an engine.vllm.extraArgs item that turns vLLM's prefix caching back on after the
+chart's --no-enable-prefix-caching (the last flag wins): --enable-prefix-caching in any spelling vLLM
+accepts — underscores, "=value", or an unambiguous abbreviation such as --enable-prefix.
+Call with one extraArgs item; renders nothing.
+*/}}
+{{- define "kvshard.checkVllmExtraArg" -}}
+{{- $flag := regexReplaceAll "=.*$" (toString .) "" | replace "_" "-" }}
+{{- if and (hasPrefix "--enable-pre" $flag) (hasPrefix $flag "--enable-prefix-caching") }}
+{{- fail (printf "engine.vllm.extraArgs: %q would turn vLLM's prefix caching back on. The chart runs vLLM with --no-enable-prefix-caching because vLLM would otherwise cache the blocks the kvshard connector fills from blended (approximate) KV and reuse them as exact prefix hits for later requests sharing the prompt's tokens; the connector refuses to start beside it. Remove the flag (the sidecar already reuses the exact system and history prefixes)." .) }}
+{{- end }}
+{{- end }}
+
 {{/* The vLLM --kv-transfer-config JSON that loads the kvshard connector. */}}
 {{- define "kvshard.kvTransferConfig" -}}
-{{- dict "kv_connector" "KvshardConnector" "kv_connector_module_path" "kvshard_sidecar.connector" "kv_role" "kv_both" "kv_connector_extra_config" (dict "exchange_dir" .Values.engine.exchangeDir) | toJson }}
+{{- dict "kv_connector" "KvshardConnector" "kv_connector_module_path" "kvshard_sidecar.connector" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" (dict "exchange_dir" .Values.engine.exchangeDir) | toJson }}
 {{- end }}
 
 {{/*
