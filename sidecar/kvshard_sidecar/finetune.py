@@ -1,0 +1,315 @@
+"""``kvshard model finetune``: LoRA-tune SmolLM2 into a recommender for kvshard's own prompt.
+
+Why it exists. SmolLM2-135M-Instruct answers "A" whatever the candidates are, so fidelity to it
+measures agreement about a position bias, and HR@k measures nothing. This trains a small LoRA
+adapter (``peft``) on exactly the prompt kvshard serves (:class:`kvshard.prompts.PromptBuilder`) so
+the model's choice depends on the items:
+
+* the loss is the cross-entropy over the candidates' *label tokens* at the answer position (the
+  last prompt token), target = the held-out item's label — nothing else in the vocabulary, and no
+  other position, contributes;
+* candidate order is shuffled per example, so position carries no signal;
+* the data follow :mod:`kvshard.splits`: held-out users are never seen, a training user's last
+  interaction is never used, the second-to-last is the validation target.
+
+Throughput on a CPU decides what fits in an hour, so only the answer position's logits are computed
+(the decoder's last hidden state through ``lm_head``, not the 49,152-wide head on every position),
+LoRA can be limited to the upper layers (autograd then never records the lower ones), and the run
+stops at a wall-clock budget. The output folder gets ``adapter_model.safetensors``,
+``adapter_config.json``, ``provenance.json`` and the loss curve (JSON after every step, PNG at each
+validation); :mod:`kvshard_sidecar.adapter_merge` merges it into a prepared model folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kvshard.datasets import load_dataset
+from kvshard.paths import cache_dir
+from kvshard.prompts import PromptBuilder, RecommendationPrompt
+from kvshard.ranking import QUALITY_METRICS, quality
+from kvshard.splits import UserSplit, training_requests, validation_requests
+from kvshard_sidecar.adapter_merge import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from kvshard_sidecar.finetune_report import (
+    PROVENANCE_FILE,
+    LossCurve,
+    StepRecord,
+    library_versions,
+    sha256_file,
+    write_json_atomic,
+)
+from kvshard_sidecar.finetune_settings import FinetuneSettings, from_args
+from kvshard_sidecar.model import default_model_path, load_model
+
+log = logging.getLogger(__name__)
+
+EMA = 0.9
+
+
+def default_output() -> Path:
+    return cache_dir() / "finetune" / "movielens-rec"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt as tensors: its token ids [1, T], its candidates' label token ids [K], the target."""
+
+    input_ids: torch.Tensor
+    label_ids: torch.Tensor
+    target: int
+
+    @classmethod
+    def of(cls, built: RecommendationPrompt) -> Example:
+        if built.target_index is None:
+            raise ValueError("a training example needs its target among the candidates")
+        return cls(torch.tensor([built.prompt.token_ids], dtype=torch.long),
+                   torch.tensor(built.label_token_ids, dtype=torch.long), built.target_index)
+
+
+def answer_logits(causal_lm: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token logits at the last position only, [batch, vocab]: the decoder's last hidden state
+    through ``lm_head`` (the head over every position would cost a 49,152-wide matmul per token)."""
+    hidden = causal_lm.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, -1]
+    logits: torch.Tensor = causal_lm.lm_head(hidden)
+    return logits
+
+
+def label_loss(logits: torch.Tensor, label_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the candidates' label tokens only: ``logits`` [B, V] at the answer position,
+    ``label_ids`` [B, K] (or [K] for all rows), ``targets`` [B] indices into the K labels."""
+    if label_ids.dim() == 1:
+        label_ids = label_ids.expand(logits.shape[0], -1)
+    return F.cross_entropy(logits.gather(-1, label_ids), targets)
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1, time_used: float = 0.0) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``floor`` by ``total`` steps — or by
+    the end of the time budget when that comes first (``time_used``: the budget's spent share, 0–1), so a
+    run cut by its budget still ends annealed."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_used))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.inference_mode()
+def evaluate(causal_lm: Any, examples: Sequence[Example]) -> dict[str, float]:
+    """Mean label-restricted loss, HR@1/HR@5/NDCG@10 and the most chosen label's share."""
+    totals = dict.fromkeys(QUALITY_METRICS, 0.0)
+    loss = 0.0
+    chosen: Counter[int] = Counter()
+    for example in examples:
+        logits = answer_logits(causal_lm, example.input_ids)
+        target = torch.tensor([example.target])
+        loss += float(label_loss(logits, example.label_ids, target))
+        scores = logits[0, example.label_ids].tolist()
+        chosen[max(range(len(scores)), key=lambda i: (scores[i], -i))] += 1
+        for name, value in quality(scores, example.target).items():
+            totals[name] += value
+    n = max(1, len(examples))
+    result = {name: value / n for name, value in totals.items()}
+    result["loss"] = loss / n
+    result["max_label_share"] = max(chosen.values()) / n if chosen else 0.0
+    result["prompts"] = float(len(examples))
+    return result
+
+
+def lora_model(model: Any, settings: FinetuneSettings) -> Any:
+    """Wrap ``model`` with fresh LoRA adapters (seeded initialisation; B starts at zero, so the wrapped
+    model starts exactly as the base)."""
+    from peft import LoraConfig, get_peft_model
+
+    layers = model.config.num_hidden_layers
+    top = settings.layers if 0 < settings.layers < layers else layers
+    config = LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0, bias="none",
+        target_modules=list(settings.targets), layers_to_transform=list(range(layers - top, layers)),
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(settings.seed)
+    return get_peft_model(model, config)
+
+
+def save_adapter(peft_model: Any, folder: Path, base_name: str) -> None:
+    """``adapter_model.safetensors`` + ``adapter_config.json`` (peft's format; the base named by its
+    kvshard model name, not by this machine's path)."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    save_file(state, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = peft_model.peft_config["default"].to_dict()
+    config["base_model_name_or_path"] = base_name
+    config["target_modules"] = sorted(config["target_modules"])
+    config["task_type"] = str(config.get("task_type") or "CAUSAL_LM")
+    config["peft_type"] = str(getattr(config.get("peft_type"), "value", config.get("peft_type")))
+    write_json_atomic(folder / ADAPTER_CONFIG, config)
+
+
+@dataclass
+class FinetuneResult:
+    out: Path
+    steps: int
+    examples: int
+    elapsed_s: float
+    validation: dict[str, float]
+
+
+@dataclass
+class TrainingData:
+    """The split's examples as tensors, and what provenance says about them."""
+
+    dataset: str
+    split: dict[str, object]
+    examples: list[Example]
+    validation: list[Example]
+
+
+def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
+    """Training examples (seeded, shuffled candidates) and validation prompts from the training users."""
+    dataset = load_dataset(settings.dataset)
+    split = UserSplit(settings.heldout_fraction, settings.split_salt)
+    users = split.training_users(dataset)
+    if settings.users:
+        users = sorted(random.Random(settings.seed).sample(users, min(settings.users, len(users))))
+    builder = PromptBuilder(tokenizer, dataset)
+    requests = training_requests(dataset, users, settings.history, settings.candidates,
+                                 settings.steps * settings.accumulation, settings.seed, settings.window)
+    if not requests:
+        raise SystemExit(f"no training positions: users need more than {settings.history + 2} interactions")
+    validation = validation_requests(dataset, users, settings.history, settings.candidates, settings.val_users,
+                                     settings.seed + 1)
+    return TrainingData(dataset.name, {**split.describe(dataset), "training_users_used": len(users)},
+                        [Example.of(builder.build(r)) for r in requests],
+                        [Example.of(builder.build(r)) for r in validation])
+
+
+def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
+    """Train, validate, write the adapter, the loss curve and the provenance into ``settings.out``."""
+    torch.set_num_threads(settings.threads)
+    out = settings.out or default_output()
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(settings.model or default_model_path(), dtype="float32")
+    base = {"name": loaded.identity.name, "revision": loaded.identity.revision,
+            "tokenizer": loaded.identity.tokenizer}
+    data = training_data(settings, loaded.tokenizer)
+    examples = data.examples
+    steps = math.ceil(len(examples) / settings.accumulation)
+    log.info("%d training examples (%d steps × %d), %d validation prompts, ~%.0f tokens per prompt",
+             len(examples), steps, settings.accumulation, len(data.validation),
+             sum(e.input_ids.shape[1] for e in examples[:64]) / min(64, len(examples)))
+
+    peft_model = lora_model(loaded.model, settings)
+    causal_lm = peft_model.get_base_model()
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
+    curve = LossCurve()
+    ema: float | None = None
+    last: dict[str, float] | None = None
+    started = time.perf_counter()
+    done_steps = done_examples = 0
+    bar = tqdm(total=steps, desc="finetune", unit="step", disable=not progress)
+    peft_model.train()
+    budget = settings.minutes * 60
+    for step in range(steps):
+        time_used = (time.perf_counter() - started) / budget
+        if time_used >= 1.0:
+            log.info("time budget of %.1f min spent after %d steps", settings.minutes, step)
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * lr_factor(step, settings.warmup, steps, time_used=time_used)
+        batch = examples[step * settings.accumulation:(step + 1) * settings.accumulation]
+        step_loss = 0.0
+        for example in batch:
+            loss = label_loss(answer_logits(causal_lm, example.input_ids), example.label_ids,
+                              torch.tensor([example.target]))
+            torch.autograd.backward(loss / len(batch))
+            step_loss += float(loss.detach()) / len(batch)
+        if settings.clip > 0:
+            torch.nn.utils.clip_grad_norm_(trainable, settings.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done_steps, done_examples = step + 1, done_examples + len(batch)
+        ema = step_loss if ema is None else EMA * ema + (1 - EMA) * step_loss
+        curve.steps.append(StepRecord(done_steps, done_examples, step_loss, ema,
+                                      optimizer.param_groups[0]["lr"], time.perf_counter() - started))
+        curve.write(out)
+        bar.update()
+        bar.set_postfix(loss=f"{ema:.3f}")
+        if settings.val_every and done_steps % settings.val_every == 0 and done_steps < steps:
+            last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out)
+    bar.close()
+    elapsed = time.perf_counter() - started
+    if last is None or last["step"] != done_steps:
+        last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out)
+    save_adapter(peft_model, out, base["name"])
+    write_provenance(out, settings, base, data.split, data.dataset, curve, done_steps, done_examples, elapsed, last)
+    log.info("adapter, curve and provenance written to %s (%.1f min)", out, elapsed / 60)
+    return FinetuneResult(out, done_steps, done_examples, elapsed, last)
+
+
+def _validate(peft_model: Any, causal_lm: Any, validation: Sequence[Example], curve: LossCurve, step: int,
+              out: Path) -> dict[str, float]:
+    peft_model.eval()
+    started = time.perf_counter()
+    result = evaluate(causal_lm, validation)
+    peft_model.train()
+    result = {"step": float(step), **result, "seconds": time.perf_counter() - started}
+    curve.validation.append(result)
+    curve.write(out, png=True)
+    log.info("validation at step %d: loss %.3f, HR@1 %.3f, HR@5 %.3f, NDCG@10 %.3f, max label share %.2f",
+             step, result["loss"], result["hr1"], result["hr5"], result["ndcg10"], result["max_label_share"])
+    return result
+
+
+def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str], split: dict[str, object],
+                     dataset: str, curve: LossCurve, steps: int, examples: int, elapsed: float,
+                     validation: dict[str, float]) -> None:
+    """``provenance.json``: how the adapter was made, and the base it must be merged into."""
+    settings_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}
+    record = {
+        "adapter": ADAPTER_WEIGHTS,
+        "adapter_sha256": sha256_file(out / ADAPTER_WEIGHTS),
+        "base": {"name": base["name"], "revision": base["revision"], "tokenizer": base["tokenizer"]},
+        "command": settings.command(),
+        "invoked_as": " ".join(sys.argv),
+        "seed": settings.seed,
+        "settings": settings_record,
+        "dataset": dataset,
+        "split": split,
+        "steps": steps,
+        "examples": examples,
+        "training_seconds": round(elapsed, 1),
+        "seconds_per_example": round(elapsed / max(1, examples), 3),
+        "threads": settings.threads,
+        "versions": library_versions(),
+        "loss_curve": {"json": "loss_curve.json", "png": "loss_curve.png",
+                       "first_ema": curve.steps[0].loss_ema if curve.steps else None,
+                       "last_ema": curve.steps[-1].loss_ema if curve.steps else None},
+        "evaluation": {"validation": validation,
+                       "note": "validation = training users' second-to-last interactions; "
+                               "`kvshard bench recommender` reports held-out users' last interactions"},
+    }
+    write_json_atomic(out / PROVENANCE_FILE, record)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvshard model finetune``: train with the settings from flags/env; print the output folder."""
+    result = train(from_args(args))
+    print(f"{result.out}: {result.steps} steps, {result.examples} examples, {result.elapsed_s / 60:.1f} min, "
+          f"validation HR@1 {result.validation['hr1']:.3f} (loss {result.validation['loss']:.3f})")
+    return 0

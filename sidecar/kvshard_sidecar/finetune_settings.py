@@ -1,0 +1,89 @@
+"""Settings of ``kvshard model finetune``, light enough for ``kvshard --help`` (no torch, no peft).
+
+One dataclass, every field documented; :mod:`kvshard.settings` turns it into flags and
+``KVSHARD_FINETUNE_*`` variables. The defaults are sized for this project's 2-core CPU machine: a
+short history (the candidates, not the history, carry most of the signal against random negatives),
+20 candidates (the benchmarks' count, so every label the benchmark uses is trained), LoRA on the
+upper layers only (backward stops where the adapters stop) and a wall-clock budget that leaves room
+for the final validation inside the hour.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvshard import settings as settings_lib
+from kvshard.settings import setting
+from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT
+
+ENV_PREFIX = "KVSHARD_FINETUNE_"
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class FinetuneSettings:
+    dataset: str = setting("movielens-100k", "built-in dataset name or folder with items/interactions JSONL")
+    model: Path | None = setting(None, "base model folder (default: the prepared SmolLM2-135M-Instruct)")
+    out: Path | None = setting(None, "output folder for the adapter, provenance and loss curve "
+                                     "(default: <user cache>/finetune/movielens-rec)")
+    history: int = setting(10, "history items per training prompt")
+    candidates: int = setting(20, "candidates per training prompt (the target and sampled unseen negatives)")
+    steps: int = setting(150, "optimizer steps (each over --accumulation examples)")
+    accumulation: int = setting(4, "examples per optimizer step (gradient accumulation)")
+    minutes: float = setting(50.0, "wall-clock budget for the training steps (intermediate validations "
+                                   "included); stops when spent, the final validation and saving come after")
+    lr: float = setting(1e-3, "peak AdamW learning rate (linear warmup, then cosine decay to 10% by --steps or by "
+                              "the end of --minutes, whichever comes first)")
+    warmup: int = setting(10, "warmup steps")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    rank: int = setting(8, "LoRA rank (at most 16: the adapter ships in the repository)")
+    alpha: int = setting(16, "LoRA alpha (scale = alpha / rank)")
+    targets: tuple[str, ...] = setting(ALL_PROJECTIONS, "projections that get LoRA (comma-separated)")
+    layers: int = setting(15, "LoRA on the top N decoder layers only (0 = all); fewer layers, faster backward")
+    window: int = setting(30, "training targets come from the N interactions before each user's "
+                              "second-to-last (0 = all)")
+    users: int = setting(0, "training users drawn from (0 = every training user)")
+    val_users: int = setting(48, "validation prompts (training users' second-to-last interactions)")
+    val_every: int = setting(0, "validate every N steps as well as at the end (0 = only at the end)")
+    heldout_fraction: float = setting(DEFAULT_HELDOUT_FRACTION, "share of users held out for the benchmarks "
+                                                                 "(never trained or validated on)")
+    split_salt: str = setting(DEFAULT_SALT, "salt of the user split's hash")
+    seed: int = setting(0, "seed of the data sampling, candidate shuffles and LoRA initialisation")
+    threads: int = setting(2, "torch threads")
+    clip: float = setting(1.0, "gradient-norm clipping (0 = off)")
+
+    def validate(self) -> None:
+        if not 1 <= self.rank <= 16:
+            raise settings_lib.SettingsError("--rank must be in 1..16 (the adapter ships in the repository)")
+        for name in ("history", "steps", "accumulation", "threads"):
+            if getattr(self, name) < 1:
+                raise settings_lib.SettingsError(f"--{name} must be at least 1")
+        if self.candidates < 2:
+            raise settings_lib.SettingsError("--candidates must be at least 2")
+        if not self.targets or set(self.targets) - set(ALL_PROJECTIONS):
+            raise settings_lib.SettingsError(f"--targets must be among {', '.join(ALL_PROJECTIONS)}")
+        if self.minutes <= 0 or self.lr <= 0:
+            raise settings_lib.SettingsError("--minutes and --lr must be positive")
+
+    def command(self) -> str:
+        """The ``kvshard model finetune`` command line that reproduces these settings."""
+        words = ["kvshard", "model", "finetune"]
+        for name, value in vars(self).items():
+            if name in ("out", "model") and value is None:
+                continue
+            shown = ",".join(value) if isinstance(value, tuple) else str(value)
+            words += [f"--{name.replace('_', '-')}", shown]
+        return " ".join(words)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kvshard model finetune`` (each also read from ``KVSHARD_FINETUNE_*``)."""
+    settings_lib.add_arguments(parser, FinetuneSettings, ENV_PREFIX)
+
+
+def from_args(args: argparse.Namespace | None) -> FinetuneSettings:
+    settings = settings_lib.from_sources(FinetuneSettings, args, ENV_PREFIX)
+    settings.validate()
+    return settings

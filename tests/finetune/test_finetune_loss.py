@@ -1,0 +1,71 @@
+"""The fine-tuning loss covers the candidates' label tokens at the answer position, and nothing else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvshard_sidecar.finetune import answer_logits, label_loss, lr_factor
+
+VOCAB = 97
+LABELS = torch.tensor([11, 3, 40, 7])
+
+
+@pytest.fixture(scope="module")
+def tiny_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_loss_is_cross_entropy_over_the_label_slice() -> None:
+    logits = torch.randn(3, VOCAB)
+    targets = torch.tensor([0, 2, 3])
+    expected = F.cross_entropy(logits[:, LABELS], targets)
+    assert torch.allclose(label_loss(logits, LABELS, targets), expected)
+
+
+def test_perturbing_non_label_logits_leaves_the_loss_unchanged() -> None:
+    logits = torch.randn(2, VOCAB)
+    targets = torch.tensor([1, 2])
+    before = label_loss(logits, LABELS, targets)
+    perturbed = logits + 50 * torch.randn_like(logits)
+    perturbed[:, LABELS] = logits[:, LABELS]
+    assert torch.equal(label_loss(perturbed, LABELS, targets), before)
+
+
+def test_gradient_reaches_only_the_label_tokens() -> None:
+    logits = torch.randn(2, VOCAB, requires_grad=True)
+    label_loss(logits, torch.stack([LABELS, LABELS.flip(0)]), torch.tensor([0, 3])).backward()
+    assert logits.grad is not None
+    touched = set(logits.grad.abs().sum(0).nonzero().flatten().tolist())
+    assert touched == set(LABELS.tolist())
+
+
+def test_answer_logits_are_the_models_last_position_logits(tiny_llama: Any) -> None:
+    ids = torch.randint(0, VOCAB, (1, 17))
+    with torch.no_grad():
+        expected = tiny_llama(input_ids=ids).logits[:, -1]
+        got = answer_logits(tiny_llama, ids)
+    assert got.shape == (1, VOCAB)
+    assert torch.allclose(got, expected, atol=1e-5)
+    target = torch.tensor([1])
+    assert torch.allclose(label_loss(got, LABELS, target), label_loss(expected, LABELS, target), atol=1e-6)
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
+    factors = [lr_factor(step, warmup=5, total=50) for step in range(50)]
+    assert factors[0] == pytest.approx(0.2) and factors[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:], strict=False))
+    assert lr_factor(50, 5, 50) == pytest.approx(0.1)
+
+
+def test_a_spent_time_budget_anneals_the_learning_rate_early() -> None:
+    assert lr_factor(10, warmup=5, total=1000, time_used=1.0) == pytest.approx(0.1)
+    assert lr_factor(10, warmup=5, total=1000, time_used=0.5) == pytest.approx(0.55)

@@ -1,0 +1,103 @@
+"""Merging an adapter: deterministic bytes, peft's arithmetic, a refused foreign base, loads in the engine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvshard.prompts import PromptBuilder, sample_requests
+from kvshard_sidecar.adapter_merge import (
+    MERGE_RECORD,
+    BaseMismatchError,
+    is_current,
+    merge_adapter,
+    prepare_finetuned,
+)
+from kvshard_sidecar.model import IDENTITY_FILE, default_model_path, read_identity
+
+pytestmark = pytest.mark.model
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_adapter: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return merge_adapter(default_model_path(), tiny_adapter, tmp_path_factory.mktemp("m") / "Rec", "Rec")
+
+
+def test_two_merges_are_byte_identical(merged: Path, tiny_adapter: Path, tmp_path: Path) -> None:
+    again = merge_adapter(default_model_path(), tiny_adapter, tmp_path / "Rec", "Rec")
+    assert _digests(again) == _digests(merged)
+    assert read_identity(again, "float32") == read_identity(merged, "float32")
+
+
+def test_merged_folder_is_prepared_like_the_base(merged: Path, tiny_adapter: Path) -> None:
+    base = read_identity(default_model_path(), "float32")
+    mine = read_identity(merged, "float32")
+    assert mine.name == "Rec" and mine.tokenizer == base.tokenizer and mine.revision != base.revision
+    record = json.loads((merged / MERGE_RECORD).read_text())
+    assert record["base"]["revision"] == base.revision
+    assert is_current(merged, tiny_adapter)
+
+
+def test_merge_equals_peft_merge_and_unload(merged: Path, tiny_adapter: Path) -> None:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    reference = PeftModel.from_pretrained(model, tiny_adapter).merge_and_unload().state_dict()
+    mine = load_file(str(merged / "model.safetensors"))
+    base = load_file(str(default_model_path() / "model.safetensors"))
+    changed = {k for k in mine if not torch.equal(mine[k], base[k])}
+    assert changed == {f"model.layers.{i}.{m}.weight" for i in (28, 29)
+                       for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}
+    for key, tensor in mine.items():
+        assert torch.allclose(tensor, reference[key], atol=1e-6, rtol=0), key
+
+
+def test_an_adapter_for_other_base_weights_is_refused(tiny_adapter: Path, tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    shutil.copytree(tiny_adapter, foreign)
+    record = json.loads((foreign / "provenance.json").read_text())
+    record["base"]["revision"] = "0" * 32
+    (foreign / "provenance.json").write_text(json.dumps(record))
+    with pytest.raises(BaseMismatchError, match="trained on base weights 0000"):
+        merge_adapter(default_model_path(), foreign, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_merged_folder_loads_in_the_engine_with_finite_logits(merged: Path, movielens: object) -> None:
+    from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
+    from kvshard_sidecar.model import load_model
+
+    engine = BlendEngine.load(merged, MemoryBlockSource())
+    builder = PromptBuilder(load_model(merged).tokenizer, movielens)  # type: ignore[arg-type]
+    request = sample_requests(movielens, 1, 3, 4, seed=0)[0]  # type: ignore[arg-type]
+    with torch.inference_mode():
+        logits = engine.full(builder.build(request).prompt).logits
+    assert torch.isfinite(logits).all()
+    assert engine.identity.name == "Rec"
+
+
+def test_prepare_without_a_shipped_adapter_only_logs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvshard_sidecar.adapter_merge"):
+        assert prepare_finetuned(default_model_path(), tmp_path / "x", adapter_folder=tmp_path / "none") is None
+    assert "no fine-tuned adapter shipped" in caplog.text
+    assert not (tmp_path / "x").exists()
+
+
+def test_prepare_merges_a_shipped_adapter_once(tiny_adapter: Path, tmp_path: Path) -> None:
+    target = tmp_path / "SmolLM2-135M-MovieLens-Rec"
+    assert prepare_finetuned(default_model_path(), target, adapter_folder=tiny_adapter) == target
+    stamp = (target / IDENTITY_FILE).stat().st_mtime_ns
+    assert prepare_finetuned(default_model_path(), target, adapter_folder=tiny_adapter) == target
+    assert (target / IDENTITY_FILE).stat().st_mtime_ns == stamp

@@ -1,0 +1,69 @@
+"""`kvshard bench recommender`: quality beside random, position consistency and label share, per model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvshard.cli import build_parser
+from kvshard.prompts import RecommendationRequest
+from kvshard_bench.recommender import bootstrap_ci, meets_targets, permutations, resolve_model, run, summarize
+
+PERFECT = {"hr1": 1.0, "hr5": 1.0, "ndcg10": 1.0}
+MISS = {"hr1": 0.0, "hr5": 1.0, "ndcg10": 0.5}
+
+
+def test_a_position_biased_model_is_inconsistent_and_all_one_letter() -> None:
+    # Both users: the model answers "A" whatever item sits there.
+    choices = [[("i1", "A"), ("i2", "A"), ("i3", "A")], [("i4", "A"), ("i5", "A"), ("i6", "A")]]
+    row = summarize(choices, [[PERFECT, MISS, MISS], [MISS, MISS, MISS]], seed=0)
+    assert row["position_consistency"] == 0.0
+    assert row["max_label_share"] == 1.0 and row["max_label"] == "A"
+    assert row["hr1"] == pytest.approx(1 / 6)
+    assert not meets_targets(row)
+
+
+def test_an_item_driven_model_is_consistent_across_orders() -> None:
+    choices = [[("i1", "A"), ("i1", "C"), ("i1", "B")], [("i4", "D"), ("i4", "B"), ("i9", "C")],
+               [("i7", "E"), ("i7", "F"), ("i7", "G")], [("i2", "H"), ("i2", "I"), ("i2", "J")]]
+    row = summarize(choices, [[PERFECT] * 3] * 4, seed=0)
+    assert row["position_consistency"] == 0.75
+    assert row["max_label_share"] == pytest.approx(2 / 12)
+    assert row["hr1"] == 1.0 and row["hr1_ci"] == [1.0, 1.0]
+
+
+def test_permutations_reorder_the_same_candidates_deterministically() -> None:
+    request = RecommendationRequest("u", ("h",), tuple(f"c{i}" for i in range(20)), "c3")
+    orders = permutations([request], 3, seed=5)[0]
+    assert orders[0] == request and len(orders) == 3
+    assert all(sorted(o.candidates) == sorted(request.candidates) and o.target == "c3" for o in orders)
+    assert len({o.candidates for o in orders}) == 3
+    assert permutations([request], 3, seed=5)[0] == orders
+
+
+def test_bootstrap_interval_brackets_the_mean() -> None:
+    low, high = bootstrap_ci([0.0] * 30 + [1.0] * 10, seed=1)
+    assert low < 0.25 < high and 0.05 < low and high < 0.45
+
+
+def test_an_unprepared_finetuned_model_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSHARD_CACHE_DIR", str(tmp_path))
+    assert resolve_model("finetuned") is None
+    assert resolve_model("base") == tmp_path / "models" / "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.model
+def test_tiny_run_reports_every_field_for_the_base_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rows.json"
+    argv = ["bench", "recommender", "--models", "base", "--users", "2", "--history", "3",
+            "--candidates", "4", "--permutations", "2", "--json", str(out)]
+    rows = run(build_parser(argv).parse_args(argv))
+    assert json.loads(out.read_text()) == rows and len(rows) == 1
+    row = rows[0]
+    for field in ("model", "hr1", "hr5", "ndcg10", "position_consistency", "max_label_share"):
+        assert field in row
+    assert row["model"] == "SmolLM2-135M-Instruct" and row["users"] == 2 and row["candidates"] == 4
+    assert row["random_hr1"] == 0.25 and 0 <= row["hr1"] <= 1 and 0 < row["max_label_share"] <= 1
+    assert "random" in capsys.readouterr().out
