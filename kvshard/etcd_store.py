@@ -187,6 +187,18 @@ class EtcdStore:
 
     # ---------------------------------------------------------------------------------- placement
 
+    async def read_assignment(self, namespace: str, name: str) -> ps.Placement | None:
+        """The current generation without its items (cluster → pods only), None before the first
+        publish: the cheap read for whoever follows which pod should warm what."""
+        resp = await self._call("read", self._kv.get(current_key(namespace, name), timeout=self.timeout))
+        if not resp.kvs:
+            return None
+        generation = int(resp.kvs[0].value)
+        got = await self._call("read", self._kv.get(assignment_key(namespace, name, generation), timeout=self.timeout))
+        if not got.kvs:
+            raise ps.PlacementFormatError(f"{namespace}/{name} has no generation {generation}")
+        return ps.decode_assignment(bytes(got.kvs[0].value))[0]
+
     async def current_generation(self, namespace: str, name: str) -> int:
         """The published generation, 0 when none has been published."""
         resp = await self._call("read", self._kv.get(current_key(namespace, name), timeout=self.timeout))

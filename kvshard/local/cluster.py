@@ -1,7 +1,7 @@
 """Everything a kvshard cluster runs, on loopback on one machine: ``LocalCluster``.
 
 The parts are the real ones, started as processes through the ``kvshard`` CLI exactly as the
-chart starts them in pods — etcd, a Kubernetes API (kmock's emulator, :mod:`kvshard.local.emulator`),
+chart starts them in pods — etcd, a Kubernetes API (:mod:`kvshard.local.emulator`, which ``kubectl`` talks to),
 the operator, N sidecars with the embedded engine, Prometheus and the router — so what works here
 works for the same reasons in a cluster. Only the kubelet is ours (:mod:`kvshard.local.kubelet`):
 it turns sidecar processes into ready/not-ready pods and restarts crashed ones.
@@ -152,7 +152,7 @@ class LocalCluster:
         self.etcd_endpoint = self._etcd.endpoint
         self._link_log("etcd", self.run_dir / "etcd.log")
 
-        log.info("starting the Kubernetes API emulator on %s", self.kube_url)
+        log.info("starting the local Kubernetes API on %s", self.kube_url)
         self._spawn("kube-api", [sys.executable, "-m", "kvshard.local.emulator", "--port", str(self._ports["kube"]),
                                  "--kubeconfig", str(self.kubeconfig), "--namespace", self.namespace],
                     ready_url=self.kube_url + "/version", timeout=60)
@@ -203,7 +203,7 @@ class LocalCluster:
             clusters=self.settings.clusters_per_pod * self.settings.pods,
             rebalance_interval_seconds=self.settings.rebalance_interval_seconds)
         (self.run_dir / "cacheshard.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
-        self.api.create(CACHESHARDS.format(ns=self.namespace), manifest)
+        self.api.create(CACHESHARDS.format(ns=self.namespace), manifests.as_applied(manifest))
         log.info("applied CacheShard %s/%s (%s clusters)", self.namespace, self.name, manifest["spec"].get("clusters"))
 
     def stop(self) -> None:

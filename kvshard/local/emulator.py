@@ -1,20 +1,17 @@
-"""A Kubernetes API for the local cluster: kmock's emulator as a process of its own.
+"""The local cluster's Kubernetes API as a process of its own (:mod:`kvshard.local.apiserver`).
 
-No real API server runs without a container engine, and the operator only needs the API's
-behaviour (list, watch, patch, status subresources), which kmock's ``KubernetesEmulator`` gives.
-It runs in its own process rather than a thread of ``kvshard up`` so the operator, the kubelet
-loop and ``kubectl``-style clients all talk to it over real HTTP, and it dies with its process
-group like every other part of the cluster.
+No real API server runs without a container engine, so ``kvshard up`` runs this one: kmock's server
+answering like a real API server for the kinds the cluster uses (CacheShards with their CRD's
+printer columns, OpenAPI schema and validation; Pods, ConfigMaps, Secrets, Events, Namespaces), so
+the operator, the kubelet loop and ``kubectl`` all talk to it over real HTTP. It runs in its own
+process rather than a thread of ``kvshard up`` so it dies with its process group like every other
+part of the cluster.
 
     python -m kvshard.local.emulator --port 6443 --kubeconfig run/kubeconfig
+    KUBECONFIG=run/kubeconfig kubectl get cacheshards
 
-The resources are those the operator watches or reads: namespaces, pods (with ``status``),
-configmaps, events and cacheshards (with ``status``). The kubeconfig is written once the port
-listens, so its existence means the API answers.
-
-Namespaces (``--namespace``) are created inside the emulator at start: kmock 0.8 misparses the
-cluster-scoped paths ``/api/v1/namespaces[/<name>]`` (it reads the name as a namespace), so they
-cannot be created over HTTP; the operator runs cluster-wide and never needs to list them.
+The kubeconfig is written once the port listens, so its existence means the API answers. The
+namespaces given (``--namespace``, default ``default``) exist from the start.
 """
 
 from __future__ import annotations
@@ -24,18 +21,14 @@ import asyncio
 import json
 import logging
 import signal
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger("kvshard.local.emulator")
 
-VERBS = frozenset({"list", "watch", "get", "patch", "create", "delete", "update"})
-
 
 def kubeconfig(url: str) -> dict[str, object]:
-    """A kubeconfig for ``url``; the emulator accepts any token."""
+    """A kubeconfig for ``url``; the local API accepts any token."""
     return {
         "apiVersion": "v1", "kind": "Config", "current-context": "kvshard-local",
         "clusters": [{"name": "kvshard-local", "cluster": {"server": url}}],
@@ -44,52 +37,32 @@ def kubeconfig(url: str) -> dict[str, object]:
     }
 
 
-def register_resources(emulator: Any) -> None:
-    """Teach a ``kmock.KubernetesEmulator`` the resources the operator uses (namespaces, pods with
-    status, configmaps, events, CacheShards with status); the operator tests use the same set."""
-    import kmock
-
-    verbs = set(VERBS)
-    emulator.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)
-    emulator.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=verbs,
-                                                       subresources={"status"})
-    emulator.resources["v1/configmaps"] = kmock.ResourceInfo(kind="ConfigMap", namespaced=True, verbs=verbs)
-    emulator.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
-    emulator.resources["kvshard.io/v1alpha1/cacheshards"] = kmock.ResourceInfo(
-        kind="CacheShard", namespaced=True, verbs=verbs, subresources={"status"},
-        shortnames={"cs"}, categories={"kvshard"})
-
-
 async def serve(port: int, config_path: Path | None, host: str = "127.0.0.1",
                 namespaces: Sequence[str] = ("default",)) -> None:
-    """Serve the emulator until SIGTERM/SIGINT."""
+    """Serve the local API until SIGTERM/SIGINT."""
     import kmock
+
+    from kvshard.local.apiserver import LocalKubeApi
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    emulator = kmock.KubernetesEmulator()
-    register_resources(emulator)
-    for namespace in namespaces:
-        emulator.objects[kmock.resource("v1/namespaces"), None, namespace] = {
-            "apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": namespace, "uid": str(uuid.uuid4()), "resourceVersion": "1"},
-            "status": {"phase": "Active"}}
-    async with emulator, kmock.Server(emulator, host=host, port=port or None) as server:
+    api = LocalKubeApi(namespaces=tuple(namespaces))
+    async with api, kmock.Server(api, host=host, port=port or None) as server:
         url = str(server.url).rstrip("/")
         if config_path is not None:
             tmp = config_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(kubeconfig(url), indent=2))
             tmp.replace(config_path)  # atomic: readers never see half a file
-        log.info("Kubernetes API emulator serving on %s", url)
+        log.info("local Kubernetes API serving on %s", url)
         await stop.wait()
-    log.info("Kubernetes API emulator stopped")
+    log.info("local Kubernetes API stopped")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvshard.local.emulator",
-                                     description="kmock's Kubernetes API emulator with the kvshard resources.")
+                                     description="The local cluster's Kubernetes API, with the kvshard resources.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     parser.add_argument("--kubeconfig", type=Path, default=None, help="write a kubeconfig for this API here")

@@ -1,8 +1,8 @@
 """A tiny blocking client of the local Kubernetes API (the emulator), over real HTTP.
 
-The kubelet loop and ``LocalCluster`` need five calls — create, patch, get, delete and a list —
-so plain ``urllib`` does, and the core stays free of the ``kubernetes`` client. Patches are JSON
-merge patches, which is what the emulator applies.
+The kubelet loop and ``LocalCluster`` need four calls — create, patch, get and delete — so plain
+``urllib`` does, and the core stays free of the ``kubernetes`` client. Patches are JSON merge
+patches; like a real API server, the local one takes a pod's status only through ``/status``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -60,16 +59,11 @@ class KubeApi:
             raise
 
     def create(self, collection: str, obj: Mapping[str, Any]) -> Any:
-        """POST ``obj`` with the server-side metadata a real API server would add (uid, generation…)."""
-        body = json.loads(json.dumps(obj))
-        meta = body.setdefault("metadata", {})
-        meta.setdefault("uid", str(uuid.uuid4()))
-        meta.setdefault("generation", 1)
-        meta.setdefault("resourceVersion", "1")
-        meta.setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-        return self.request("POST", collection, body)
+        """POST ``obj``; the API fills in uid, generation and the timestamps, as a real one does."""
+        return self.request("POST", collection, obj)
 
     def patch(self, path: str, patch: Mapping[str, Any]) -> Any:
+        """A JSON merge patch; ``status`` is written only through ``<path>/status``."""
         return self.request("PATCH", path, patch)
 
     def delete(self, path: str) -> Any:

@@ -63,9 +63,8 @@ class Kubelet:
                 "metadata": {"name": pod.name, "namespace": self.namespace, "labels": self.labels,
                              "annotations": {"kvshard.io/url": pod.url}},
                 "spec": {"restartPolicy": "Always", "containers": [{"name": "sidecar", "image": "kvshard"}]},
-                "status": pod_status(False, 0),
             })
-            pod.published = (False, 0)
+            self._publish(pod, False, 0)
         self._thread.start()
 
     def stop(self) -> None:
@@ -112,9 +111,12 @@ class Kubelet:
                 running = True
                 log.info("pod %s: process restarted (pid %s)", pod.name, pod.process.pid)
         pod.ready = running and http_ok(pod.process.ready_url)
-        state = (pod.ready, pod.restarts)
-        if state != pod.published:
-            self.api.patch(PODS.format(ns=self.namespace) + f"/{pod.name}",
-                           {"status": pod_status(pod.ready, pod.restarts)})
-            pod.published = state
+        if (pod.ready, pod.restarts) != pod.published:
+            self._publish(pod, pod.ready, pod.restarts)
             log.info("pod %s: Ready=%s (restarts %d)", pod.name, pod.ready, pod.restarts)
+
+    def _publish(self, pod: PodProcess, ready: bool, restarts: int) -> None:
+        """Write the pod's status, through the status subresource as a kubelet does."""
+        self.api.patch(PODS.format(ns=self.namespace) + f"/{pod.name}/status",
+                       {"status": pod_status(ready, restarts)})
+        pod.published = (ready, restarts)

@@ -11,6 +11,7 @@ router's target carries none, because the router's own samples already name the 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import yaml
 from kvshard.datasets import BUILTIN_DATASETS
 
 TEMPLATE = Path(__file__).with_name("cacheshard-local.yaml")
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
 def catalog_source(dataset: str) -> dict[str, Any]:
@@ -65,6 +67,15 @@ def local_cacheshard(base: Mapping[str, Any], *, namespace: str, etcd_endpoint: 
         spec["rebalance"] = {**(spec.get("rebalance") or {}), "enabled": True,
                              "intervalSeconds": rebalance_interval_seconds}
     return obj
+
+
+def as_applied(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` as ``kubectl apply`` would create it (``kubectl create --save-config``): with the
+    last-applied annotation, so a later ``kubectl apply -f <run>/cacheshard.yaml`` merges three ways."""
+    out = copy.deepcopy(dict(obj))
+    annotations = out.setdefault("metadata", {}).setdefault("annotations", {})
+    annotations[LAST_APPLIED] = json.dumps(obj, separators=(",", ":"), sort_keys=True)
+    return out
 
 
 def prometheus_config(*, scrape_interval_seconds: float, sidecars: Mapping[str, str], router: str | None,

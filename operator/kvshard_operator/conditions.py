@@ -11,10 +11,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 READY = "Ready"
+"""The current spec is placed and published to etcd (routers and sidecars follow it); not that it is warm."""
 PLACED = "Placed"
 REBALANCING = "Rebalancing"
 DEGRADED = "Degraded"
-TYPES = (READY, PLACED, REBALANCING, DEGRADED)
+WARM = "Warm"
+"""Every cluster of the current placement generation has a warm replica: requests are served from cache."""
+TYPES = (READY, PLACED, WARM, REBALANCING, DEGRADED)
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 

@@ -7,7 +7,9 @@
   work), and retries transient failures (etcd down) with exponential backoff;
 * delete → the finalizer removes every etcd key of the CacheShard first;
 * a rebalance timer re-replicates hot clusters and drops cold replicas once per
-  ``spec.rebalance.intervalSeconds``, from Prometheus rates (:mod:`rebalancer`).
+  ``spec.rebalance.intervalSeconds``, from Prometheus rates (:mod:`rebalancer`);
+* a warm timer follows the pods' warm reports in etcd into the ``Warm`` condition and the
+  ``warmPods``/``warmClusters`` counts (:mod:`warmth`).
 
 Settings are read from the environment (:class:`~kvshard_operator.settings.Settings`) when this
 module is imported, because kopf fixes timer intervals at registration.
@@ -15,6 +17,7 @@ module is imported, because kopf fixes timer intervals at registration.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -23,7 +26,8 @@ from typing import Any
 import kopf
 
 from kvshard import etcd_store
-from kvshard_operator import crd, kube, metrics, rebalancer
+from kvshard_operator import conditions as cond
+from kvshard_operator import crd, kube, metrics, rebalancer, validation, warmth
 from kvshard_operator.reconcile import PodView, ShardState, ready_pods, reconcile
 from kvshard_operator.settings import Settings
 
@@ -68,6 +72,13 @@ def _state(memo: Any) -> ShardState:
     return state
 
 
+def _changed(status: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of ``new`` that differ from ``status``: a patch that changes nothing still costs
+    a call, and kopf then waits for an event that never comes (a real API server keeps the
+    resourceVersion of a no-op write) before it handles the next change."""
+    return {k: v for k, v in new.items() if status.get(k) != v}
+
+
 def _pods(index: PodIndex | None, namespace: str | None) -> list[PodView]:
     return list(index.get(namespace, [])) if index is not None else []
 
@@ -84,7 +95,11 @@ async def _place(
             trigger=trigger, logger=logger,
             read_configmap=kube.read_configmap, read_secret=kube.read_etcd_credentials,
         )
-    patch.status.update(outcome.status)
+    published = outcome.published
+    if published is not None and published != status.get("placementGeneration"):
+        patch.status.update(_changed(status, warmth.reset(outcome.status, meta.get("generation"), published)))
+    else:
+        patch.status.update(_changed(status, outcome.status))
     if outcome.retry_after is not None:
         logger.warning("placement not published (%s); retrying in %.1f s", outcome.reason, outcome.retry_after)
     elif outcome.published is None:
@@ -163,7 +178,28 @@ async def rebalance(
             generation=meta.get("generation"), settings=SETTINGS, state=state, logger=logger,
             read_secret=kube.read_etcd_credentials)
     if outcome is not None:
-        patch.status.update(outcome.status)
+        patch.status.update(_changed(status, outcome.status))
+
+
+@kopf.timer(*RESOURCE, interval=SETTINGS.warm_check_seconds, initial_delay=SETTINGS.warm_check_seconds)
+async def follow_warm(
+    *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+    patch: kopf.Patch, logger: kopf.Logger, **_: Any,
+) -> None:
+    """The ``Warm`` condition and the warm counts, from the warm reports in etcd; written as a
+    patch function (a JSON patch of just these fields against the freshest object)."""
+    if not status.get("placementGeneration"):
+        return  # nothing published yet: the change handlers own the conditions until then
+    try:
+        valid = validation.validate_spec(spec)
+    except validation.InvalidCacheShardError:
+        return  # the change handlers report the spec
+    found = await warmth.observe(namespace=str(namespace), name=name, spec=valid, settings=SETTINGS,
+                                 read_secret=kube.read_etcd_credentials)
+    if not warmth.current(status, found):
+        if found.status != (cond.get(status.get("conditions"), cond.WARM) or {}).get("status"):
+            logger.info("Warm=%s (%s): %s", found.status, found.reason, found.message)
+        patch.fns.append(functools.partial(warmth.apply, warmth=found, generation=meta.get("generation")))
 
 
 @kopf.on.delete(*RESOURCE)

@@ -40,6 +40,8 @@ class Settings:
     """KV bytes per cached token, to check capacity (SmolLM2-135M: 30 layers·3 kv heads·64·2·bf16)."""
     pod_sync_seconds: float = 2.0
     """How often each CacheShard compares its ready pods with the published placement."""
+    warm_check_seconds: float = 2.0
+    """How often each CacheShard reads its pods' warm reports from etcd (the ``Warm`` condition)."""
     etcd_timeout_seconds: float = 5.0
     """Deadline of each etcd call; when it passes the shard is Degraded and retried with backoff."""
     retry_backoff_seconds: float = 2.0

@@ -32,6 +32,7 @@ def test_notes_tell_the_user_what_to_do_next(helm_bin: Path, case: str) -> None:
     values = VALUES_CASES[case]
     notes = _notes(helm_bin, *(["-f", str(values)] if values else []))
     assert "kubectl -n recommend wait cacheshard --all --for=condition=Ready" in notes
+    assert "kubectl -n recommend wait cacheshard --all --for=condition=Warm" in notes
     assert 'the CacheShard "recommend/kvs-kvshard-movielens"' in notes, "names the CacheShard to create"
     assert "/v1/recommend" in notes and "/metrics" in notes
     assert "never upgrades" in notes

@@ -74,3 +74,11 @@ def test_settings_refuse_values_that_cannot_run(field: str, value: int) -> None:
     changes: dict[str, Any] = {field: value}
     with pytest.raises(SettingsError, match=field):
         LocalClusterSettings(**changes)
+
+
+def test_the_applied_cacheshard_carries_what_kubectl_apply_merges_against() -> None:
+    obj = manifests.local_cacheshard(manifests.load_cacheshard(), namespace="default", etcd_endpoint="e:1",
+                                     prometheus_url="http://p:1", generated=True)
+    applied = manifests.as_applied(obj)
+    assert yaml.safe_load(applied["metadata"]["annotations"][manifests.LAST_APPLIED]) == obj
+    assert "annotations" not in obj["metadata"] and applied["spec"] == obj["spec"]

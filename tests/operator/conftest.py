@@ -1,5 +1,5 @@
-"""A Kubernetes API emulator (kmock) in its own thread, a real etcd, and the operator under
-KopfRunner — the pieces of the end-to-end CacheShard tests.
+"""The local cluster's Kubernetes API (kmock-based) in its own thread, a real etcd, and the operator
+under KopfRunner — the pieces of the end-to-end CacheShard tests.
 
 KUBECONFIG is pointed at a per-session file *before* anything imports ``kubernetes`` (kopf's and
 our API logins read it); each emulator writes its own URL into that file when it starts.

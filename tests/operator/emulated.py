@@ -1,6 +1,6 @@
-"""Helpers of the end-to-end operator tests: kmock's Kubernetes emulator served from its own
-thread (so tests stay synchronous while KopfRunner runs the operator in another), object helpers
-over real HTTP, and polling for observable facts."""
+"""Helpers of the end-to-end operator tests: the local cluster's Kubernetes API (kmock-based,
+admission and status subresources as in a real server) served from its own thread, so tests stay
+synchronous while KopfRunner runs the operator in another, and object helpers over real HTTP."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import os
 import threading
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
-from kvshard.local.emulator import register_resources
+from kvshard.local.apiserver import LocalKubeApi
 
 CACHESHARDS = "/apis/kvshard.io/v1alpha1/namespaces/{ns}/cacheshards"
 PODS = "/api/v1/namespaces/{ns}/pods"
@@ -22,11 +21,12 @@ CONFIGMAPS = "/api/v1/namespaces/{ns}/configmaps"
 
 
 class EmulatedCluster:
-    """kmock's KubernetesEmulator on a loopback port, served from a background thread, plus
-    small blocking helpers to create, patch, read and delete objects over real HTTP."""
+    """The local Kubernetes API on a loopback port, served from a background thread, plus small
+    blocking helpers to create, patch, read and delete objects over real HTTP."""
 
     def __init__(self) -> None:
         self.url = ""
+        self.api: LocalKubeApi | None = None
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -40,9 +40,8 @@ class EmulatedCluster:
         import kmock
 
         self._stop = asyncio.Event()
-        emulator = kmock.KubernetesEmulator()
-        register_resources(emulator)
-        async with emulator, kmock.Server(emulator) as server:
+        self.api = LocalKubeApi()
+        async with self.api, kmock.Server(self.api) as server:
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
@@ -84,19 +83,26 @@ class EmulatedCluster:
     # ---- CacheShards and pods
 
     def create_shard(self, body: dict[str, Any], ns: str = "default") -> None:
-        body = json.loads(json.dumps(body))
-        meta = body.setdefault("metadata", {})
-        meta.update({"namespace": ns, "uid": str(uuid.uuid4()), "generation": 1,
-                     "creationTimestamp": "2026-01-01T00:00:00Z", "resourceVersion": "1"})
         self.request("POST", CACHESHARDS.format(ns=ns), body)
+
+    def store_unchecked_shard(self, body: dict[str, Any], ns: str = "default") -> None:
+        """Put a CacheShard into the API's store past admission, as one stored before a CRD
+        upgrade tightened its schema would be (the API refuses invalid ones at create)."""
+        assert self.api is not None
+        api = self.api
+        body = json.loads(json.dumps(body))
+        body.setdefault("metadata", {})["namespace"] = ns
+
+        async def put() -> None:
+            api.put_unchecked(api.type_of("cacheshards", "kvshard.io"), body)
+
+        asyncio.run_coroutine_threadsafe(put(), self._loop).result(timeout=10)
 
     def shard(self, name: str, ns: str = "default") -> Any:
         return self.get(CACHESHARDS.format(ns=ns) + f"/{name}")
 
     def patch_spec(self, name: str, spec: dict[str, Any], ns: str = "default") -> None:
-        generation = int(self.shard(name, ns)["metadata"].get("generation", 1)) + 1
-        self.request("PATCH", CACHESHARDS.format(ns=ns) + f"/{name}",
-                     {"metadata": {"generation": generation}, "spec": spec})
+        self.request("PATCH", CACHESHARDS.format(ns=ns) + f"/{name}", {"spec": spec})
 
     def delete_shard(self, name: str, ns: str = "default") -> None:
         self.request("DELETE", CACHESHARDS.format(ns=ns) + f"/{name}")
@@ -104,13 +110,14 @@ class EmulatedCluster:
     def create_pod(self, name: str, labels: dict[str, str], *, ready: bool = True, ns: str = "default") -> None:
         self.request("POST", PODS.format(ns=ns), {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": ns, "labels": labels, "uid": str(uuid.uuid4())},
+            "metadata": {"name": name, "namespace": ns, "labels": labels},
             "spec": {"containers": [{"name": "engine", "image": "kvshard"}]},
-            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
         })
+        self.set_pod_ready(name, ready, ns)
 
     def set_pod_ready(self, name: str, ready: bool, ns: str = "default") -> None:
-        self.request("PATCH", PODS.format(ns=ns) + f"/{name}", {
+        """What a kubelet does: the pod's status, through the status subresource."""
+        self.request("PATCH", PODS.format(ns=ns) + f"/{name}/status", {
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
         })
 

@@ -22,8 +22,7 @@ def test_operator_run_serves_liveness_and_places_shards(cluster: EmulatedCluster
     parser = argparse.ArgumentParser()
     operator_main.add_arguments(parser)
     port = free_port()
-    # Cluster-wide: kmock 0.8 cannot parse GET /api/v1/namespaces, which kopf needs for --namespace.
-    args = parser.parse_args(["--metrics-port", "0",
+    args = parser.parse_args(["--metrics-port", "0", "--namespace", "default",
                               "--liveness-endpoint", f"http://127.0.0.1:{port}/healthz"])
     stop = threading.Event()
     result: list[int] = []

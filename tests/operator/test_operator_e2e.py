@@ -1,10 +1,11 @@
-"""The operator end to end: KopfRunner against kmock's Kubernetes emulator and a real etcd."""
+"""The operator end to end: KopfRunner against the local cluster's Kubernetes API and a real etcd."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,10 @@ def test_user_errors_become_conditions_and_other_shards_keep_working(
         cluster.create_shard(shard("missing-catalog", etcd, tmp_path / "nope.jsonl"))
         bad = shard("bad-spec", etcd, catalog_file)
         bad["spec"]["clusters"] = -1
-        cluster.create_shard(bad)
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the API refuses it at admission ...
+            cluster.create_shard(bad)
+        assert refused.value.code == 422 and "spec.clusters" in refused.value.read().decode()
+        cluster.store_unchecked_shard(bad)  # ... but one stored before a CRD upgrade meets the operator
         cluster.create_shard(shard("no-pods", etcd, catalog_file, podSelector={"matchLabels": {"app": "ghost"}}))
         cluster.create_shard(shard("good", etcd, catalog_file))
         cluster.create_configmap("catalog", {"items.jsonl": catalog_file.read_text()})
@@ -224,3 +228,50 @@ def test_operator_metrics_use_the_component_prefix_and_count_placements(
     collectors = [v for v in vars(metrics).values() if isinstance(v, MetricWrapperBase)]
     names = {m.name for c in collectors for m in c.collect()}
     assert len(names) >= 5 and all(n.startswith("kvshard_operator_") for n in names)
+
+
+def report_warm(etcd: EtcdServer, pod: str, placement_: ps.Placement, clusters: list[int] | None = None) -> None:
+    """What a sidecar does: report the clusters it has warmed for a generation."""
+    warmed = placement_.clusters_of(pod) if clusters is None else clusters
+    report = ps.WarmReport(placement_.generation, tuple(warmed), f"http://{pod}:8100",
+                           len(placement_.clusters_of(pod)) - len(warmed))
+    etcd_call(etcd, lambda s: s.put_warm("default", "items", pod, report))
+
+
+def test_warm_condition_follows_the_pods_warm_reports(cluster: EmulatedCluster, etcd: EtcdServer,
+                                                      catalog_file: Path) -> None:
+    for i in range(2):
+        cluster.create_pod(f"engine-{i}", LABELS)
+    with operator():
+        cluster.create_shard(shard("items", etcd, catalog_file, clusters=4))
+        first = wait_until(lambda: generation_is(etcd, "items", 1), what="generation 1")
+        cold = wait_until(lambda: condition(cluster.shard("items"), "Warm").get("reason") == "Warming"
+                          and cluster.shard("items"), what="Warm=False (Warming) before any report")
+        assert condition(cold, "Warm")["status"] == "False" and condition(cold, "Ready")["status"] == "True"
+
+        # engine-0 warmed its clusters: those are served from cache, engine-1's are not yet
+        report_warm(etcd, "engine-0", first)
+        mine = len(first.clusters_of("engine-0"))
+        half = wait_until(lambda: cluster.shard("items")["status"].get("warmClusters") == mine
+                          and cluster.shard("items"), what=f"warmClusters {mine}")
+        assert (half["status"]["warmPods"], condition(half, "Warm")["status"]) == (1, "False")
+        assert f"engine-0 {mine}/{mine}" in condition(half, "Warm")["message"]
+
+        # a stale report (another generation) does not count; a current one does
+        report_warm(etcd, "engine-1", ps.Placement(7, first.assignment, {}))
+        time.sleep(1.5)
+        assert cluster.shard("items")["status"]["warmPods"] == 1
+        report_warm(etcd, "engine-1", first)
+        warm = wait_until(lambda: condition(cluster.shard("items"), "Warm").get("status") == "True"
+                          and cluster.shard("items"), what="Warm=True")
+        assert condition(warm, "Warm")["reason"] == "ClustersWarm"
+        assert (warm["status"]["warmPods"], warm["status"]["warmClusters"]) == (2, 4)
+        assert condition(warm, "Ready")["reason"] == "Published"  # the warm timer wrote only its own fields
+        assert [c["type"] for c in warm["status"]["conditions"]].count("Warm") == 1
+
+        # a pod joins: a new generation is cold until its pods report on it
+        cluster.create_pod("engine-2", LABELS)
+        wait_until(lambda: generation_is(etcd, "items", 2), what="generation 2")
+        again = wait_until(lambda: condition(cluster.shard("items"), "Warm").get("status") == "False"
+                           and cluster.shard("items"), what="Warm=False for generation 2")
+        assert "generation 2" in condition(again, "Warm")["message"]
