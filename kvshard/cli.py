@@ -107,11 +107,14 @@ def _add_demo_command(sub: Any) -> None:
         description="Bring up the local cluster (etcd, Prometheus, operator, sidecar pods, router), apply the "
         "example CacheShard and wait for Ready, replay MovieLens sessions with Zipf-skewed popularity and a "
         "hot-shard burst through the router, then print hit ratios per tier and segment kind, TTFT blended vs "
-        "full prefill, per-pod load before and after the rebalance and agreement with full prefill, and write "
+        "full prefill, per-pod load before and after the rebalance, agreement with full prefill and HR@k, and write "
         "summary.txt, summary.json, requests.jsonl and placement.png. (The single-process demo is "
         "`kvshard sidecar demo`.)",
     )
     demo.add_argument("--pods", type=int, default=3, help="sidecar pods (default: %(default)s)")
+    demo.add_argument("--model", default="base", metavar="base|finetuned|PATH",
+                      help="model the pods serve: SmolLM2-135M-Instruct, the recommender `kvshard model prepare` "
+                      "merges from a shipped adapter, or a model folder (default: %(default)s)")
     demo.add_argument("--requests", type=int, default=160,
                       help="requests to replay; the burst runs longer if the rebalance is late (default: %(default)s)")
     demo.add_argument("--users", type=int, default=32, help="MovieLens users sampled (default: %(default)s)")

@@ -49,8 +49,8 @@ def probe(config: dict[str, Any]) -> list[dict[str, Any]]:
     dataset = load_dataset(config["dataset"])
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in config["settings"].items()}
     settings = BlendSettings(**fields)
-    engine = BlendEngine.load(config.get("model"), MemoryBlockSource(), settings)
-    builder = PromptBuilder(engine_tokenizer(config.get("model")), dataset)
+    engine = BlendEngine.load(config["model"], MemoryBlockSource(), settings)
+    builder = PromptBuilder(engine_tokenizer(Path(config["model"])), dataset)
     request = sample_requests(dataset, 1, config["history"], config["candidates"], config["seed"])[0]
     prompt = builder.build(request).prompt
     methods: dict[str, Any] = {

@@ -50,6 +50,7 @@ HOT_SHARE = 0.7
 @dataclasses.dataclass(frozen=True)
 class DemoSettings:
     pods: int = 3
+    model: str = "base"
     requests: int = 160
     users: int = 32
     out: Path | None = None
@@ -77,7 +78,7 @@ def settings_from(args: argparse.Namespace) -> DemoSettings:
     for name in ("pods", "requests", "users", "concurrency"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvshard demo: --{name} must be at least 1")
-    return DemoSettings(pods=args.pods, requests=args.requests, users=args.users, out=args.out,
+    return DemoSettings(pods=args.pods, model=args.model, requests=args.requests, users=args.users, out=args.out,
                         keep_running=args.keep_running, concurrency=args.concurrency, pairs=max(0, args.pairs),
                         burst_timeout_s=args.burst_timeout, seed=args.seed)
 
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvshard demo: output folder {out}", flush=True)
     started = time.monotonic()
     dataset = load_dataset("movielens-100k")
-    cluster_settings = LocalClusterSettings(pods=settings.pods, dir=out / "cluster")
+    cluster_settings = LocalClusterSettings(pods=settings.pods, model=settings.model, dir=out / "cluster")
     try:
         with LocalCluster(cluster_settings) as cluster:
             print(f"local cluster: {settings.pods} pods, router {cluster.router_url}, "
@@ -152,7 +153,7 @@ class Replay:
         self.t0 = time.monotonic()
         self.records: list[report.Record] = []
         self.requests: dict[int, DemoRequest] = {}
-        self.notes: dict[str, Any] = {}
+        self.notes: dict[str, Any] = {"model": settings.model}
 
     # ---------------------------------------------------------------------------------- the run
 

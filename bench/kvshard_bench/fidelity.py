@@ -36,6 +36,7 @@ from tqdm import tqdm
 from kvshard.datasets import load_dataset
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, kendall_tau, quality, random_quality
+from kvshard_sidecar.adapter_merge import MODEL_HELP, resolve_model
 from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings, MemoryBlockSource
 
 Row = dict[str, Any]
@@ -53,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS),
                         help="recompute ratios for boundary/deviation/hybrid (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="request sampling seed (default: %(default)s)")
-    parser.add_argument("--model", default=None, metavar="PATH", help="model folder (default: prepared SmolLM2)")
+    parser.add_argument("--model", default=None, metavar="base|finetuned|PATH",
+                        help=f"{MODEL_HELP} (default: base)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per request and method (default: 1)")
     parser.add_argument("--prefill-context", choices=["standalone", "system", "neutral"], default="system",
@@ -134,8 +136,9 @@ def run(args: argparse.Namespace) -> list[Row]:
     if args.threads:
         torch.set_num_threads(args.threads)
     dataset = load_dataset(args.dataset)
-    engine = BlendEngine.load(args.model, MemoryBlockSource())
-    tokenizer = engine_tokenizer(args.model)
+    model = resolve_model(args.model)
+    engine = BlendEngine.load(model, MemoryBlockSource())
+    tokenizer = engine_tokenizer(model)
     builder = PromptBuilder(tokenizer, dataset)
     sampled = sample_requests(dataset, args.users, args.history, args.candidates, args.seed)
     requests = [builder.build(r) for r in sampled]
@@ -192,7 +195,8 @@ def report_memory(args: argparse.Namespace, methods: Sequence[tuple[str, float, 
     chosen = next((s for name, ratio, s in methods if name == "deviation" and abs(ratio - 0.15) < 1e-9),
                   methods[-1][2])
     config = {"dataset": args.dataset, "history": args.history, "candidates": args.candidates, "seed": args.seed,
-              "model": args.model, "threads": args.threads, "settings": asdict(chosen)}
+              "model": str(resolve_model(args.model)), "threads": args.threads,
+              "settings": asdict(chosen)}
     measured = {m["method"]: m for m in measure(config)}
     for row in rows:
         found = measured.get(row["method"])
@@ -207,12 +211,10 @@ def report_memory(args: argparse.Namespace, methods: Sequence[tuple[str, float, 
           + ("" if full["peak_reset"] else " (peak counter could not be reset: upper bounds)"))
 
 
-def engine_tokenizer(model: str | None) -> Any:
+def engine_tokenizer(model: Path) -> Any:
     from transformers import AutoTokenizer
 
-    from kvshard_sidecar.model import default_model_path
-
-    return AutoTokenizer.from_pretrained(model or default_model_path())
+    return AutoTokenizer.from_pretrained(model)
 
 
 def _timed(repeats: int, call: Callable[..., BlendResult], *call_args: Any) -> BlendResult:

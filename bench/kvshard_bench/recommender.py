@@ -70,15 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_model(spec: str) -> Path | None:
     """'base' / 'finetuned' / a folder → a folder; ``None`` for a 'finetuned' that is not prepared."""
-    from kvshard_sidecar.adapter_merge import finetuned_model_path
-    from kvshard_sidecar.model import IDENTITY_FILE, default_model_path
+    from kvshard_sidecar.adapter_merge import resolve_model as resolve
 
-    if spec == "base":
-        return default_model_path()
-    if spec == "finetuned":
-        path = finetuned_model_path()
-        return path if (path / IDENTITY_FILE).exists() else None
-    return Path(spec).expanduser()
+    try:
+        return resolve(spec)
+    except FileNotFoundError:
+        return None
 
 
 def permutations(requests: Sequence[RecommendationRequest], count: int, seed: int) -> list[list[RecommendationRequest]]:

@@ -447,7 +447,8 @@ class LocalCluster:
         url = self.sidecar_urls[pod]
         threads = str(self.settings.threads)
         command = _cli("sidecar", "serve", "--host", HOST, "--port", url.rsplit(":", 1)[1], "--pod-name", pod,
-                       "--dataset", self.settings.dataset, "--memory-bytes", str(self.settings.memory_bytes),
+                       "--model", self.settings.model, "--dataset", self.settings.dataset,
+                       "--memory-bytes", str(self.settings.memory_bytes),
                        "--disk-dir", str(self.pod_disk_dir(pod)), "--peer-token-file", str(token_file))
         # the sidecar follows placement: it warms its clusters, reports them, and finds peers in etcd
         command += ["--etcd-endpoints", self.etcd_endpoint, "--cacheshard", f"{self.namespace}/{self.name}",

@@ -28,6 +28,8 @@ class LocalClusterSettings:
                                       "its etcd endpoints and Prometheus URL are pointed at the local ones)")
     dataset: str = setting("movielens-100k", "catalog of the generated CacheShard and of the sidecars: a built-in "
                            "name or a dataset folder with items.jsonl")
+    model: str = setting("base", "model the sidecars serve: 'base' (SmolLM2-135M-Instruct), 'finetuned' (the "
+                         "recommender `kvshard model prepare` merges from a shipped adapter) or a model folder")
     namespace: str = setting("default", "namespace of the pods and the CacheShard")
     clusters_per_pod: int = setting(4, "item clusters per pod in the generated CacheShard")
     rebalance_interval_seconds: int = setting(15, "spec.rebalance.intervalSeconds of the generated CacheShard "

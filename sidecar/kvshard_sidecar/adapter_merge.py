@@ -196,6 +196,30 @@ def finetuned_model_path() -> Path:
     return models_dir() / FINETUNED_NAME
 
 
+MODEL_HELP = ("'base' (SmolLM2-135M-Instruct), 'finetuned' (the recommender `kvshard model prepare` merges from a "
+              "shipped adapter) or a model folder")
+
+
+def resolve_model(spec: str | Path | None, default: str = "base") -> Path:
+    """A ``--model`` value as a folder: ``finetuned``, ``base`` or a path (``None``: ``default``).
+
+    Every component (sidecar, local cluster, demo, benchmarks) spells models the same way, so
+    switching them all to a recommender model is one word once an adapter ships.
+    """
+    from kvshard_sidecar.model import default_model_path
+
+    chosen = default if spec is None else spec
+    if chosen == "base":
+        return default_model_path()
+    if chosen == "finetuned":
+        path = finetuned_model_path()
+        if not (path / IDENTITY_FILE).exists():
+            raise FileNotFoundError(f"the fine-tuned recommender is not prepared at {path}: run `kvshard model "
+                                    "prepare` (it merges the shipped adapter), or choose --model base")
+        return path
+    return Path(chosen).expanduser()
+
+
 def is_current(target: Path, adapter_folder: Path) -> bool:
     """True when ``target`` is a complete merge of exactly this adapter's weights."""
     record = target / MERGE_RECORD

@@ -21,6 +21,7 @@ from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationR
 from kvshard.ranking import rank_candidates
 from kvshard.request_errors import RequestError
 from kvshard.segments import Prompt
+from kvshard_sidecar.adapter_merge import resolve_model
 from kvshard_sidecar.blockstore import BlockStore, encode_block
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.exchange import KVExchange
@@ -47,7 +48,8 @@ class SidecarService:
         if holders is not None and self.peer_token:
             fetcher = PeerFetcher(holders, self.peer_token, settings.peer_timeout_seconds)
         self.store = BlockStore(settings.memory_bytes, settings.disk_root, settings.disk_bytes, fetcher)
-        self.model_name = (settings.model.name if settings.model else "SmolLM2-135M-Instruct")
+        self.model_path = resolve_model(settings.model)
+        self.model_name = self.model_path.name
         self.metrics = SidecarMetrics(self.model_name, self.store.stats, cacheshard=settings.cacheshard)
         self.prefill_queue = PrefillQueue(self)
         self.ready = False
@@ -74,7 +76,7 @@ class SidecarService:
 
         self._dataset = load_dataset(self.settings.dataset)
         self.items, self.users = self._dataset.items, self._dataset.histories
-        loaded = load_model(self.settings.model, dtype=self.settings.dtype, device=self.settings.device)
+        loaded = load_model(self.model_path, dtype=self.settings.dtype, device=self.settings.device)
         self.model_name = loaded.identity.name
         self.metrics.model_name = self.model_name
         self._builder = PromptBuilder(loaded.tokenizer, self._dataset)

@@ -28,7 +28,8 @@ class SidecarSettings:
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a pod)")
     port: int = setting(8100, "HTTP port of the sidecar API")
     pod_name: str = setting("", "this pod's name (placement assigns clusters to pod names); default: host:port")
-    model: Path | None = setting(None, "Hugging Face model folder (default: the prepared SmolLM2)")
+    model: str = setting("base", "model to serve: 'base' (the prepared SmolLM2-135M-Instruct), 'finetuned' (the "
+                         "MovieLens recommender `kvshard model prepare` merges) or a Hugging Face model folder")
     dtype: str = setting("float32", "model dtype", choices=("float32", "bfloat16", "float16"))
     device: str = setting("cpu", "torch device (cpu, cuda, cuda:1, …)")
     dataset: str = setting("movielens-100k", "item catalog: a built-in name, a folder or an items JSONL file")

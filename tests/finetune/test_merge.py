@@ -101,3 +101,13 @@ def test_prepare_merges_a_shipped_adapter_once(tiny_adapter: Path, tmp_path: Pat
     stamp = (target / IDENTITY_FILE).stat().st_mtime_ns
     assert prepare_finetuned(default_model_path(), target, adapter_folder=tiny_adapter) == target
     assert (target / IDENTITY_FILE).stat().st_mtime_ns == stamp
+
+
+def test_every_model_flag_spells_models_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvshard_sidecar.adapter_merge import resolve_model
+
+    assert resolve_model(None) == resolve_model("base") == default_model_path()
+    assert resolve_model(str(tmp_path / "mine")) == tmp_path / "mine"
+    monkeypatch.setenv("KVSHARD_CACHE_DIR", str(tmp_path / "empty-cache"))
+    with pytest.raises(FileNotFoundError, match="kvshard model prepare"):
+        resolve_model("finetuned")
