@@ -84,7 +84,8 @@ class SidecarService:
         eos = loaded.tokenizer.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         self.limits = Limits(min(self.settings.max_candidates, self._builder.max_candidates),
-                             self.settings.max_history, self.settings.max_new_tokens)
+                             self.settings.max_history, self.settings.max_new_tokens,
+                             num_layers=self._engine.executor.shape.num_layers)
         context = int(getattr(loaded.config, "max_position_embeddings", 2048))
         self.context_tokens = min(context, self.settings.max_prompt_tokens or context)
         self.tokenizer = loaded.tokenizer

@@ -34,6 +34,7 @@ class Limits:
     max_candidates: int = 80
     max_history: int = 200
     max_new_tokens: int = 32
+    num_layers: int | None = None  # the loaded model's, so a check layer beyond it is the client's mistake
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,9 @@ def _number(body: Mapping[str, Any], name: str, default: float, low: float, high
     return value
 
 
-def parse_blend(value: Any, defaults: BlendSettings) -> BlendSettings:
-    """Apply a request's ``blend`` object to the sidecar's default blend settings."""
+def parse_blend(value: Any, defaults: BlendSettings, num_layers: int | None = None) -> BlendSettings:
+    """Apply a request's ``blend`` object to the sidecar's default blend settings (checked against the
+    model's ``num_layers`` when known, so no setting fails later inside the engine)."""
     if value is None:
         return defaults
     blend = _object(value, BLEND_FIELDS, "blend")
@@ -152,9 +154,14 @@ def parse_blend(value: Any, defaults: BlendSettings) -> BlendSettings:
     if "ratio" in changes and "schedule" not in changes and defaults.schedule:
         changes["schedule"] = ()  # a new ratio invalidates the default schedule's last step
     try:
-        return defaults.with_(**changes)
+        settings = defaults.with_(**changes)
     except (SettingsError, TypeError) as error:
         raise RequestError("blend", str(error)) from None
+    layers = settings.check_layers
+    if num_layers is not None and layers and layers[-1] >= num_layers:
+        raise RequestError("blend.check_layers", f"check layer {layers[-1]} is beyond the model's {num_layers} "
+                           f"layers (0–{num_layers - 1})")
+    return settings
 
 
 def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
@@ -171,7 +178,7 @@ def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
     mode = request.get("mode", "rank")
     if mode not in MODES:
         raise RequestError("mode", f"must be one of {', '.join(map(repr, MODES))}")
-    blend = parse_blend(request.get("blend"), blend_defaults or BlendSettings())
+    blend = parse_blend(request.get("blend"), blend_defaults or BlendSettings(), limits.num_layers)
     candidates = _item_ids(request["candidates"], "candidates", items, limits.max_candidates,
                            allow_empty=False, unique=True)
     max_tokens = int(_number(request, "max_tokens", 1, 1, limits.max_new_tokens, integer=True))

@@ -87,6 +87,7 @@ def test_a_repeated_request_is_served_from_memory(sidecar: Sidecar) -> None:
         ({**REQUEST, "mode": "beam"}, 400, "mode"),
         ({**REQUEST, "top_k": 0}, 400, "top_k"),
         ({**REQUEST, "mode": "generate", "top_k": 2}, 400, "top_k"),
+        ({**REQUEST, "blend": {"selector": "deviation", "check_layers": [1, 30]}}, 400, "blend.check_layers"),
         ({**REQUEST, "blend": {"selector": "magic"}}, 400, "blend.selector"),
         ({"candidates": ["1"]}, 400, "user_id"),
         ({**REQUEST, "history": [str(1 + i % 1600) for i in range(150)]}, 413, "history"),

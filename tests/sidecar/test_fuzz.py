@@ -13,7 +13,8 @@ from sidecar_process import Sidecar, SidecarFactory
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
-FIELDS = ["user_id", "history", "candidates", "instruction", "max_tokens", "temperature", "blend", "items", "users"]
+FIELDS = ["user_id", "history", "candidates", "instruction", "mode", "top_k", "max_tokens", "temperature", "logprobs",
+          "blend", "items", "users"]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
                     st.text(max_size=30), st.sampled_from(["1", "50", "999999", "", "\x00", "1e309"]))
 json_values = st.recursive(scalars, lambda inner: st.one_of(
@@ -23,10 +24,14 @@ json_values = st.recursive(scalars, lambda inner: st.one_of(
 near_misses = st.fixed_dictionaries({}, optional={
     "user_id": scalars, "history": st.one_of(scalars, st.lists(scalars, max_size=5)),
     "candidates": st.one_of(scalars, st.lists(st.one_of(scalars, st.sampled_from(["zz", "-1"])), max_size=5)),
-    "max_tokens": scalars, "temperature": scalars, "instruction": scalars,
+    "max_tokens": scalars, "temperature": scalars, "instruction": scalars, "logprobs": scalars,
+    "mode": st.one_of(scalars, st.sampled_from(["rank", "generate"])), "top_k": scalars,
     "blend": st.one_of(scalars, st.dictionaries(st.sampled_from(["selector", "ratio", "check_layers", "schedule",
                                                                  "boundary_w", "deviation_on", "x"]),
-                                                json_values, max_size=4)),
+                                                json_values, max_size=4),
+                       # check layers around the model's depth (30): beyond it must be a 4xx, never a 500
+                       st.fixed_dictionaries({"selector": st.sampled_from(["deviation", "hybrid"]),
+                                              "check_layers": st.lists(st.integers(0, 64), min_size=1, max_size=3)})),
 })
 raw_bodies = st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode))
 bodies = st.one_of(json_values.map(lambda v: json.dumps(v).encode()),

@@ -36,6 +36,17 @@ def test_rank_mode_accepts_decoding_fields_only_at_their_defaults() -> None:
         assert "generate" in reject({**VALID, field: value}).message
 
 
+def test_a_check_layer_beyond_the_model_is_a_400_naming_the_field() -> None:
+    body = {**VALID, "blend": {"selector": "deviation", "check_layers": [1, 30]}}
+    with pytest.raises(RequestError) as error:
+        parse_recommend(body, ITEMS, Limits(max_candidates=10, num_layers=30))
+    assert (error.value.status, error.value.field) == (400, "blend.check_layers")
+    assert "30 layers" in error.value.message
+    ok = parse_recommend({**VALID, "blend": {"selector": "deviation", "check_layers": [1, 29]}}, ITEMS,
+                         Limits(max_candidates=10, num_layers=30))
+    assert ok.blend.check_layers == (1, 29)
+
+
 def test_generate_mode_takes_decoding_fields() -> None:
     call = parse_recommend({**VALID, "mode": "generate", "max_tokens": 4, "temperature": 0.5, "logprobs": 3},
                            ITEMS, LIMITS)
