@@ -7,7 +7,7 @@ Pure functions over plain lists of dicts, so handlers stay thin and tests need n
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 READY = "Ready"
@@ -90,3 +90,26 @@ def ensure_all(
             out = set_condition(out, type_, UNKNOWN, "Pending", "not reconciled yet",
                                 observed_generation=observed_generation, at=at)
     return out
+
+
+def merge_status(body: MutableMapping[str, Any], fields: Mapping[str, Any], owned: Sequence[str],
+                 *, observed_generation: int | None = None) -> None:
+    """Write a timer's ``fields`` into the *freshest* ``body`` (a kopf patch function), taking from
+    ``fields["conditions"]`` only the condition types the timer ``owned``.
+
+    Why: a timer's ``status`` may predate a handler's patch that just landed (the rebalance timer
+    started while the first placement was being published). Writing its whole conditions list would
+    put back the ``Ready=Unknown`` it read; merging only its own types into the current list keeps
+    what the handler wrote.
+    """
+    status = body.setdefault("status", {})
+    for key, value in fields.items():
+        if key != "conditions":
+            status[key] = value
+    conditions = ensure_all(status.get("conditions"), observed_generation=observed_generation)
+    for type_ in owned:
+        mine = get(fields.get("conditions"), type_)
+        if mine is not None:
+            conditions = set_condition(conditions, type_, mine["status"], mine["reason"], mine.get("message", ""),
+                                       observed_generation=observed_generation)
+    status["conditions"] = conditions

@@ -177,8 +177,10 @@ async def rebalance(
             namespace=str(namespace), name=name, spec=dict(spec), status=dict(status),
             generation=meta.get("generation"), settings=SETTINGS, state=state, logger=logger,
             read_secret=kube.read_etcd_credentials)
-    if outcome is not None:
-        patch.status.update(_changed(status, outcome.status))
+    if outcome is not None and _changed(status, outcome.status):
+        # against the freshest object: this tick's ``status`` may predate a placement just published
+        patch.fns.append(functools.partial(cond.merge_status, fields=outcome.status, owned=(cond.REBALANCING,),
+                                           observed_generation=meta.get("generation")))
 
 
 @kopf.timer(*RESOURCE, interval=SETTINGS.warm_check_seconds, initial_delay=SETTINGS.warm_check_seconds)

@@ -46,3 +46,18 @@ def test_ensure_all_writes_unknown_on_first_sight_without_overwriting() -> None:
 def test_bad_status_or_reason_is_refused(status: str, reason: str) -> None:
     with pytest.raises(ValueError):
         cond.set_condition([], cond.READY, status, reason)
+
+
+def test_a_timer_merges_only_its_own_condition_into_the_freshest_status() -> None:
+    """The rebalance timer's view may predate the placement just published: its stale Ready must not
+    overwrite the Ready the change handler wrote meanwhile."""
+    stale = cond.ensure_all([], observed_generation=1)  # Ready Unknown/Pending, as the timer read it
+    fields = {"conditions": cond.set_condition(stale, cond.REBALANCING, cond.FALSE, "NoTraffic", "no requests"),
+              "lastRebalanceTime": "2026-12-01T00:00:00Z"}
+    fresh = {"status": {"placementGeneration": 1, "conditions": cond.set_condition(
+        cond.ensure_all([], observed_generation=1), cond.READY, cond.TRUE, "Published", "generation 1")}}
+    cond.merge_status(fresh, fields, (cond.REBALANCING,), observed_generation=1)
+    status = fresh["status"]
+    assert cond.get(status["conditions"], cond.READY)["status"] == cond.TRUE
+    assert cond.get(status["conditions"], cond.REBALANCING)["reason"] == "NoTraffic"
+    assert (status["lastRebalanceTime"], status["placementGeneration"]) == ("2026-12-01T00:00:00Z", 1)
