@@ -98,6 +98,16 @@ def pod_specs(objects: Sequence[Manifest]) -> Iterator[tuple[str, Manifest]]:
             yield kind_name(obj), obj["spec"]["template"]["spec"]
 
 
+def pod_spec(objects: list[Manifest], kind: str, name_suffix: str) -> dict[str, Any]:
+    """The pod template spec of the ``kind`` workload whose name ends with ``name_suffix``."""
+    return dict(find(objects, kind, name_suffix)["spec"]["template"]["spec"])
+
+
+def engine_pod(objects: list[Manifest]) -> dict[str, Any]:
+    """The engine StatefulSet's pod spec (vLLM beside the sidecar)."""
+    return pod_spec(objects, "StatefulSet", "-engine")
+
+
 def containers(pod_spec: Mapping[str, Any]) -> list[Manifest]:
     return [*pod_spec.get("initContainers", []), *pod_spec["containers"]]
 

@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 from chart_helpers import (
     VALUES_CASES,
-    HelmError,
     Manifest,
     container,
     containers,
+    engine_pod,
     env,
     find,
     kind_name,
+    pod_spec,
     pod_specs,
     render,
     resolved_env,
@@ -155,16 +156,8 @@ def test_every_container_runs_restricted(rendered: dict[str, list[Manifest]], ca
 # ----------------------------------------------------------------------------------------------
 # The engine pod: vLLM with the kvshard connector beside the sidecar, sharing /dev/shm.
 # ----------------------------------------------------------------------------------------------
-def _engine(objects: list[Manifest]) -> dict[str, Any]:
-    return _pod(objects, "StatefulSet", "-engine")
-
-
-def _pod(objects: list[Manifest], kind: str, name_suffix: str) -> dict[str, Any]:
-    return dict(find(objects, kind, name_suffix)["spec"]["template"]["spec"])
-
-
 def test_vllm_container_loads_the_kvshard_connector(rendered: dict[str, list[Manifest]]) -> None:
-    pod = _engine(rendered["default"])
+    pod = engine_pod(rendered["default"])
     vllm = container(pod, "vllm")
     assert vllm["command"] == ["vllm", "serve"]
     args = vllm["args"]
@@ -181,38 +174,8 @@ def test_vllm_container_loads_the_kvshard_connector(rendered: dict[str, list[Man
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
-@pytest.mark.parametrize("case", VALUES_CASES)
-def test_vllm_runs_without_its_prefix_cache(rendered: dict[str, list[Manifest]], case: str) -> None:
-    """Blocks the connector fills from blended KV must never become exact prefix hits (issue 16)."""
-    args = container(_engine(rendered[case]), "vllm")["args"]
-    assert "--no-enable-prefix-caching" in args
-    after = args[args.index("--no-enable-prefix-caching") + 1:]
-    assert not [a for a in after if a.replace("_", "-").startswith("--enable-prefix")], (
-        "nothing after the flag turns it back on (vLLM's last flag wins)")
-
-
-@pytest.mark.parametrize("arg", ["--enable-prefix-caching", "--enable-prefix-caching=true",
-                                 "--enable-prefix-caching=True", "--enable_prefix_caching",
-                                 "--enable-prefix", "--enable-pre"])
-def test_extra_args_cannot_turn_the_prefix_cache_back_on(helm_bin: Path, arg: str) -> None:
-    """Every spelling vLLM 0.32 parses as --enable-prefix-caching (underscores, ``=value``,
-    argparse abbreviations) fails the render with the reason, rather than silently winning."""
-    with pytest.raises(HelmError) as error:
-        render(helm_bin, sets=["engine.vllm.extraArgs[0]=--enforce-eager", f"engine.vllm.extraArgs[1]={arg}"])
-    message = str(error.value)
-    assert f'engine.vllm.extraArgs: "{arg}" would turn vLLM\'s prefix caching back on' in message
-    assert "--no-enable-prefix-caching" in message and "exact prefix hits" in message
-
-
-@pytest.mark.parametrize("arg", ["--no-enable-prefix-caching", "--enable-prompt-embeds",
-                                 "--enable-prefix-caching-is-not-a-flag", "--prefix-caching-hash-algo=sha256"])
-def test_other_extra_args_render_after_the_charts_own(helm_bin: Path, arg: str) -> None:
-    args = container(_engine(render(helm_bin, sets=[f"engine.vllm.extraArgs[0]={arg}"])), "vllm")["args"]
-    assert args[-1] == arg and args.index("--no-enable-prefix-caching") < len(args) - 1
-
-
 def test_kind_values_run_on_cpu_with_the_baked_in_model(rendered: dict[str, list[Manifest]]) -> None:
-    pod = _engine(rendered["kind"])
+    pod = engine_pod(rendered["kind"])
     for c in containers(pod):
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {}), c["name"]
     assert [c["name"] for c in containers(pod)] == ["vllm", "sidecar"], "no model download on kind"
@@ -223,7 +186,7 @@ def test_kind_values_run_on_cpu_with_the_baked_in_model(rendered: dict[str, list
 
 
 def test_sidecar_decodes_through_the_local_vllm_and_the_same_exchange(rendered: dict[str, list[Manifest]]) -> None:
-    pod = _engine(rendered["default"])
+    pod = engine_pod(rendered["default"])
     sidecar_env = env(container(pod, "sidecar"))
     vllm = container(pod, "vllm")
     assert sidecar_env["KVSHARD_SIDECAR_ENGINE"] == "vllm"
@@ -235,7 +198,7 @@ def test_sidecar_decodes_through_the_local_vllm_and_the_same_exchange(rendered: 
 
 
 def test_dev_shm_is_one_in_memory_volume_shared_by_both_containers(rendered: dict[str, list[Manifest]]) -> None:
-    pod = _engine(rendered["default"])
+    pod = engine_pod(rendered["default"])
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")
     assert shm["emptyDir"]["medium"] == "Memory"
     for name in ("vllm", "sidecar"):
@@ -247,7 +210,7 @@ def test_peer_token_comes_from_a_mounted_secret(rendered: dict[str, list[Manifes
     objects = rendered["default"]
     secret = find(objects, "Secret", "-peer-token")
     assert set(secret["data"]) == {"token"}
-    pod = _engine(objects)
+    pod = engine_pod(objects)
     volume = next(v for v in pod["volumes"] if v["name"] == "peer-token")
     assert volume["secret"]["secretName"] == secret["metadata"]["name"]
     sidecar = container(pod, "sidecar")
@@ -261,25 +224,25 @@ def test_peer_token_comes_from_a_mounted_secret(rendered: dict[str, list[Manifes
 def test_an_existing_peer_token_secret_replaces_the_generated_one(rendered: dict[str, list[Manifest]]) -> None:
     objects = rendered["external-etcd"]
     assert not [o for o in objects if o["kind"] == "Secret"]
-    volume = next(v for v in _engine(objects)["volumes"] if v["name"] == "peer-token")
+    volume = next(v for v in engine_pod(objects)["volumes"] if v["name"] == "peer-token")
     assert volume["secret"]["secretName"] == "kvshard-peer-token"
 
 
 def test_static_sidecar_peers_only_when_asked_for_by_stable_dns(rendered: dict[str, list[Manifest]],
                                                                 helm_bin: Path) -> None:
     for case in VALUES_CASES:
-        assert "KVSHARD_SIDECAR_PEERS" not in env(container(_engine(rendered[case]), "sidecar")), (
+        assert "KVSHARD_SIDECAR_PEERS" not in env(container(engine_pod(rendered[case]), "sidecar")), (
             f"{case}: sidecars follow placement, a static peer list is only rendered on request")
-    asked = env(container(_engine(render(helm_bin, sets=["engine.peers=true"])), "sidecar"))
+    asked = env(container(engine_pod(render(helm_bin, sets=["engine.peers=true"])), "sidecar"))
     peers = asked["KVSHARD_SIDECAR_PEERS"].split(",")
     assert peers == [f"http://kvs-kvshard-engine-{i}.kvs-kvshard-engine-peers.recommend.svc:8100" for i in range(2)]
     autoscaled = render(helm_bin, VALUES_CASES["autoscaling"], sets=["engine.peers=true"])
-    assert len(env(container(_engine(autoscaled), "sidecar"))["KVSHARD_SIDECAR_PEERS"].split(",")) == 6, (
+    assert len(env(container(engine_pod(autoscaled), "sidecar"))["KVSHARD_SIDECAR_PEERS"].split(",")) == 6, (
         "autoscaling lists every pod up to maxReplicas")
 
 
 def test_engine_readiness_waits_for_the_model_and_vllm(rendered: dict[str, list[Manifest]]) -> None:
-    pod = _engine(rendered["default"])
+    pod = engine_pod(rendered["default"])
     assert container(pod, "sidecar")["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container(pod, "vllm")["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container(pod, "fetch-model")["command"][-3:] == [
@@ -294,9 +257,9 @@ def test_container_settings_are_real_settings_of_the_commands(rendered: dict[str
     from kvshard_sidecar.settings import SidecarSettings
 
     objects = rendered[case]
-    workloads = [(_engine(objects), "sidecar", "KVSHARD_SIDECAR_", SidecarSettings),
-                 (_pod(objects, "Deployment", "-operator"), "operator", "KVSHARD_OPERATOR_", OperatorSettings),
-                 (_pod(objects, "Deployment", "-router"), "router", "KVSHARD_ROUTER_", RouterSettings)]
+    workloads = [(engine_pod(objects), "sidecar", "KVSHARD_SIDECAR_", SidecarSettings),
+                 (pod_spec(objects, "Deployment", "-operator"), "operator", "KVSHARD_OPERATOR_", OperatorSettings),
+                 (pod_spec(objects, "Deployment", "-router"), "router", "KVSHARD_ROUTER_", RouterSettings)]
     for pod, name, prefix, settings in workloads:
         fields = {f"{prefix}{f.name.upper()}" for f in dataclasses.fields(settings)}
         used = {k for k in env(container(pod, name)) if k.startswith(prefix)}
@@ -365,7 +328,7 @@ def _router_settings(objects: list[Manifest]) -> Any:
     from kvshard import settings as settings_lib
     from kvshard_router.settings import ENV_PREFIX, RouterSettings
 
-    environ = resolved_env(container(_pod(objects, "Deployment", "-router"), "router"), field_refs={},
+    environ = resolved_env(container(pod_spec(objects, "Deployment", "-router"), "router"), field_refs={},
                            secrets=ETCD_AUTH)
     return settings_lib.from_sources(RouterSettings, None, ENV_PREFIX, environ)
 
@@ -374,7 +337,7 @@ def _sidecar_settings(objects: list[Manifest]) -> Any:
     from kvshard import settings as settings_lib
     from kvshard_sidecar.settings import ENV_PREFIX, SidecarSettings
 
-    environ = resolved_env(container(_engine(objects), "sidecar"), field_refs=ENGINE_POD, secrets=ETCD_AUTH)
+    environ = resolved_env(container(engine_pod(objects), "sidecar"), field_refs=ENGINE_POD, secrets=ETCD_AUTH)
     return settings_lib.from_sources(SidecarSettings, None, ENV_PREFIX, environ)
 
 
@@ -403,7 +366,7 @@ def test_engine_sidecars_follow_the_same_cacheshard_and_advertise_their_pod_ip(
         router, sidecar = _router_settings(rendered[case]), _sidecar_settings(rendered[case])
         assert sidecar.cacheshard == router.cacheshard == "recommend/kvs-kvshard-movielens", case
         assert sidecar.etcd_endpoints == router.etcd_endpoints, case
-    sidecar_env = env(container(_engine(rendered["default"]), "sidecar"))
+    sidecar_env = env(container(engine_pod(rendered["default"]), "sidecar"))
     assert sidecar_env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert sidecar_env["KVSHARD_SIDECAR_ADVERTISE_URL"] == "http://$(POD_IP):8100"
     names = list(sidecar_env)
@@ -432,8 +395,8 @@ def test_external_etcd_credentials_come_from_the_secret_never_the_pod_spec(
         rendered: dict[str, list[Manifest]]) -> None:
     objects = rendered["external-etcd"]
     endpoints = ("etcd-0.etcd.infra.svc:2379", "etcd-1.etcd.infra.svc:2379", "etcd-2.etcd.infra.svc:2379")
-    for spec, prefix in ((container(_pod(objects, "Deployment", "-router"), "router"), "KVSHARD_ROUTER_"),
-                         (container(_engine(objects), "sidecar"), "KVSHARD_SIDECAR_")):
+    for spec, prefix in ((container(pod_spec(objects, "Deployment", "-router"), "router"), "KVSHARD_ROUTER_"),
+                         (container(engine_pod(objects), "sidecar"), "KVSHARD_SIDECAR_")):
         for key in ("username", "password"):
             assert env(spec)[f"{prefix}ETCD_{key.upper()}"] == {
                 "secretKeyRef": {"name": "kvshard-etcd-auth", "key": key}}, (prefix, key)
@@ -442,8 +405,8 @@ def test_external_etcd_credentials_come_from_the_secret_never_the_pod_spec(
         assert (settings.etcd_username, settings.etcd_password) == ("kvshard", "s3cret")
     assert find(objects, "CacheShard")["spec"]["etcd"]["secretRef"] == {"name": "kvshard-etcd-auth"}
     for case in ("default", "autoscaling"):  # bundled etcd: no authentication, no Secret reference
-        for spec in (container(_engine(rendered[case]), "sidecar"),
-                     container(_pod(rendered[case], "Deployment", "-router"), "router")):
+        for spec in (container(engine_pod(rendered[case]), "sidecar"),
+                     container(pod_spec(rendered[case], "Deployment", "-router"), "router")):
             assert not [k for k in env(spec) if k.endswith(("_ETCD_USERNAME", "_ETCD_PASSWORD"))], case
 
 
@@ -493,9 +456,9 @@ def test_network_policy_lets_router_and_sidecars_reach_what_they_follow(rendered
     assert selectors.matches(etcd_policy["spec"]["podSelector"], _pod_labels(objects, "StatefulSet", "-etcd"))
     assert selectors.matches(engine_policy["spec"]["podSelector"], engine)
     # The named ports the rules admit are the ports the containers serve.
-    etcd_ports = {p["name"] for p in container(_pod(objects, "StatefulSet", "-etcd"), "etcd")["ports"]}
+    etcd_ports = {p["name"] for p in container(pod_spec(objects, "StatefulSet", "-etcd"), "etcd")["ports"]}
     assert "client" in etcd_ports
-    assert "http" in {p["name"] for p in container(_engine(objects), "sidecar")["ports"]}
+    assert "http" in {p["name"] for p in container(engine_pod(objects), "sidecar")["ports"]}
     for who, labels in (("router", router), ("engine", engine), ("operator", operator)):
         assert _admits(etcd_policy, labels, "client"), f"{who} pods must reach etcd's client port"
     assert _admits(engine_policy, router, "http"), "the router forwards to the sidecar API"
