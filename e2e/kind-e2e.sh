@@ -4,7 +4,8 @@
 #   e2e/kind-e2e.sh           run it (make e2e-kind)
 #   e2e/kind-e2e.sh --check   only report whether this machine can run it
 #
-# Steps: build the operator, router and sidecar-cpu images → create a kind cluster → load the
+# Steps: build the operator, router and sidecar-cpu images → create a kind cluster and install
+# cert-manager (it issues etcd's TLS certificates, the chart's default) → load the
 # images → helm install the chart with e2e/values-kind.yaml → apply the example CacheShard (the
 # one router and sidecars follow) → wait for Ready → wait for the router (Ready once it has the
 # placement) → send /v1/recommend requests through the router and to the engine Service → check
@@ -13,7 +14,8 @@
 #
 # Without a Docker engine or kind it prints exactly what is missing and exits 0.
 #
-# Environment: KVSHARD_E2E_KEEP=1 keeps the cluster; KVSHARD_E2E_CLUSTER names it (kvshard-e2e).
+# Environment: KVSHARD_E2E_KEEP=1 keeps the cluster; KVSHARD_E2E_CLUSTER names it (kvshard-e2e);
+# KVSHARD_E2E_CERT_MANAGER is the cert-manager release installed (v1.16.2).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -27,6 +29,7 @@ PYTHON="${PYTHON:-python3}"
 SIDECAR_PORT=18100
 OPERATOR_PORT=19090
 ROUTER_PORT=18200
+CERT_MANAGER="${KVSHARD_E2E_CERT_MANAGER:-v1.16.2}"
 
 missing=()
 command -v docker >/dev/null 2>&1 || missing+=("docker (CLI not on PATH)")
@@ -95,10 +98,14 @@ docker build --target operator -t kvshard/operator:e2e "$ROOT"
 docker build --target router -t kvshard/router:e2e "$ROOT"
 docker build --target sidecar-cpu -t kvshard/sidecar-cpu:e2e "$ROOT"
 
-log "2/8 create kind cluster $CLUSTER"
+log "2/8 create kind cluster $CLUSTER and install cert-manager $CERT_MANAGER"
 kind get clusters 2>/dev/null | grep -qx "$CLUSTER" || \
   kind create cluster --name "$CLUSTER" --config "$ROOT/e2e/kind-config.yaml" --wait 180s
 kind export kubeconfig --name "$CLUSTER" --kubeconfig "$KUBECONFIG_FILE"
+"$KUBECTL" apply -f "https://github.com/cert-manager/cert-manager/releases/download/$CERT_MANAGER/cert-manager.yaml"
+for deployment in cert-manager cert-manager-cainjector cert-manager-webhook; do
+  "$KUBECTL" -n cert-manager rollout status deployment/"$deployment" --timeout=5m
+done
 
 log "3/8 load images into kind"
 kind load docker-image --name "$CLUSTER" kvshard/operator:e2e kvshard/router:e2e kvshard/sidecar-cpu:e2e

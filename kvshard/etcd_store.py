@@ -8,12 +8,15 @@ router and the sidecars share one key layout (DESIGN §6) and one set of semanti
     /kvshard/v1/<namespace>/<name>/current                 G (changed only by compare-and-swap)
     /kvshard/v1/<namespace>/<name>/heat/<timestamp>        hit-rate snapshot (lease/TTL'd)
     /kvshard/v1/<namespace>/<name>/warm/<pod>              clusters the pod has warmed
+    /kvshard/v1/<namespace>/<name>/catalog/<version>/…      catalog versions (content-addressed, chunked)
+    /kvshard/v1/<namespace>/<name>/blend                   blend settings in force (compare-and-swap)
 
 Publishing writes the whole generation first and only then compare-and-swaps ``current``, so a
 reader that follows ``current`` never sees a half-written generation, and two writers cannot both
 win. When everything fits in one request the writes and the swap are a single transaction.
 
-Every failure to reach etcd surfaces as :class:`EtcdUnavailableError`; callers never see gRPC or
+Every failure to reach etcd surfaces as :class:`EtcdUnavailableError`, a failed TLS handshake as
+:class:`EtcdTLSError` naming the mistake (:mod:`kvshard.etcd_tls`); callers never see gRPC or
 etcd3aio exceptions.
 """
 
@@ -23,6 +26,7 @@ import asyncio
 import json
 import logging
 import re
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -32,7 +36,10 @@ from typing import Any
 import etcd3aio
 import grpc
 
+from kvshard import blend_policy as bp
+from kvshard import catalog_schema as cs
 from kvshard import placement_schema as ps
+from kvshard.etcd_tls import EtcdTLS, diagnose, endpoint_host, is_ip
 
 PREFIX = "/kvshard/v1"
 KEEP_GENERATIONS = 2
@@ -65,6 +72,11 @@ class EtcdUnavailableError(EtcdStoreError, ConnectionError):
 
 class EtcdAuthError(EtcdStoreError):
     """etcd refused the username/password (or the user lacks permission on our keys)."""
+
+
+class EtcdTLSError(EtcdStoreError):
+    """TLS with etcd failed: its certificate is not signed by our CA or does not name the host, or it
+    refused our client certificate. A configuration mistake, not an outage: retrying will not help."""
 
 
 class GenerationConflictError(EtcdStoreError):
@@ -104,11 +116,34 @@ def warm_key(namespace: str, name: str, pod: str) -> str:
     return warm_prefix(namespace, name) + pod
 
 
+def catalog_prefix(namespace: str, name: str) -> str:
+    """``catalog/``: the content-addressed catalog versions (:mod:`kvshard.catalog_schema`)."""
+    return shard_prefix(namespace, name) + "catalog/"
+
+
+def catalog_manifest_key(namespace: str, name: str, version: str) -> str:
+    return catalog_prefix(namespace, name) + f"{version}/manifest"
+
+
+def catalog_chunk_key(namespace: str, name: str, version: str, chunk: int) -> str:
+    return catalog_prefix(namespace, name) + f"{version}/chunks/{chunk:06d}"
+
+
+def blend_key(namespace: str, name: str) -> str:
+    """``blend``: the blend settings in force (:class:`kvshard.blend_policy.BlendPolicy`), changed only
+    by compare-and-swap on the key's version."""
+    return shard_prefix(namespace, name) + "blend"
+
+
 class EtcdStore:
     """An async connection to etcd speaking the kvshard key layout.
 
-        async with EtcdStore(["127.0.0.1:2379"]) as store:
+        tls = EtcdTLS.from_files(Path("ca.crt"), Path("tls.crt"), Path("tls.key"))
+        async with EtcdStore(["127.0.0.1:2379"], tls=tls) as store:
             generation = await store.publish("default", "movielens", placement, expected=0)
+
+    Endpoints are ``host:port``; a host name is resolved by gRPC (one endpoint) or when connecting
+    (several), so a Service name works as well as an address.
     """
 
     def __init__(
@@ -117,21 +152,47 @@ class EtcdStore:
         *,
         username: str | None = None,
         password: str | None = None,
+        tls: EtcdTLS | None = None,
         timeout: float = 5.0,
         attempts: int = 2,
     ) -> None:
         self.endpoints = list(endpoints)
         self.timeout = timeout
+        self.tls = tls
         self._username = username
         self._password = password
-        self._client = etcd3aio.Etcd3Client(self.endpoints, rpc_max_attempts=attempts)
+        conn_args: dict[str, Any] = tls.channel_args(self.endpoints) if tls is not None else {}
+        self._client = etcd3aio.Etcd3Client(self.endpoints, rpc_max_attempts=attempts, **conn_args)
         self._client._manager.grpc_options.extend(_CHANNEL_OPTIONS)  # etcd3aio has no channel-options argument
         self._connected = False
+
+    async def _target(self) -> str:
+        """The gRPC target: etcd3aio's ``ipv4:`` list takes addresses only, so one host name goes to
+        gRPC's DNS resolver (which follows the Service's addresses) and several are resolved here."""
+        hosts = [endpoint_host(e) for e in self.endpoints]
+        if all(is_ip(h) for h in hosts):
+            return str(self._client._manager.target)
+        if len(self.endpoints) == 1:
+            return f"dns:///{self.endpoints[0]}"
+        loop = asyncio.get_running_loop()
+        addresses: list[str] = []
+        for endpoint, host in zip(self.endpoints, hosts, strict=True):
+            port = endpoint.rsplit(":", 1)[1]
+            if is_ip(host):
+                addresses.append(f"{host}:{port}")
+                continue
+            try:
+                infos = await loop.getaddrinfo(host, int(port), family=socket.AF_INET, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise EtcdUnavailableError(f"etcd endpoint {endpoint}: cannot resolve {host}: {exc}") from exc
+            addresses += sorted({f"{info[4][0]}:{port}" for info in infos})
+        return "ipv4:" + ",".join(dict.fromkeys(addresses))
 
     async def connect(self) -> None:
         """Open the channel (and authenticate when a username is given)."""
         if self._connected:
             return
+        self._client._manager.target = await self._target()
         await self._client.connect()
         self._connected = True  # _call needs the channel; undone below if the login fails
         if self._username:
@@ -142,7 +203,7 @@ class EtcdStore:
                                         auth.authenticate(self._username, self._password or "", timeout=self.timeout))
             except EtcdStoreError as exc:
                 await self.close()
-                if isinstance(exc, EtcdUnavailableError):
+                if isinstance(exc, EtcdUnavailableError | EtcdTLSError):
                     raise
                 raise EtcdAuthError(f"etcd refused user {self._username!r}: {exc.__cause__ or exc}") from exc
             self._client.set_token(resp.token)
@@ -178,8 +239,12 @@ class EtcdStore:
             denied = isinstance(exc, etcd3aio.EtcdUnauthenticatedError | etcd3aio.EtcdPermissionDeniedError) or (
                 isinstance(exc, grpc.aio.AioRpcError) and _AUTH_DETAILS.search(exc.details() or "") is not None
             )
+            tls_problem = diagnose(str(exc), self.tls, self.endpoints) if transient else None
+            if tls_problem and self.tls is not None:
+                raise EtcdTLSError(tls_problem) from exc
             error = EtcdUnavailableError if transient else EtcdAuthError if denied else EtcdStoreError
-            raise error(f"etcd {what} failed on {','.join(self.endpoints)}: {exc}") from exc
+            hint = f" ({tls_problem})" if tls_problem else ""
+            raise error(f"etcd {what} failed on {','.join(self.endpoints)}: {exc}{hint}") from exc
 
     async def ping(self) -> None:
         """Raise :class:`EtcdUnavailableError` unless etcd answers a read."""
@@ -408,6 +473,97 @@ class EtcdStore:
         """Forget a pod's warm set (it left the placement)."""
         await self._call("delete", self._kv.delete(warm_key(namespace, name, pod), timeout=self.timeout))
 
+    # ---------------------------------------------------------------------------------- catalog versions
+
+    async def put_catalog(self, namespace: str, name: str, catalog: cs.Catalog) -> int:
+        """Store one catalog version (chunks first, the manifest last: a version is complete once its
+        manifest exists). A version already stored is not written again (its key is its content).
+        Returns the bytes written (0 when it was there)."""
+        version = catalog.version
+        manifest_key = catalog_manifest_key(namespace, name, version)
+        got = await self._call("read", self._kv.get(manifest_key, timeout=self.timeout))
+        if got.kvs:
+            return 0
+        manifest, chunks = cs.encode(catalog)
+        for i, chunk in enumerate(chunks):
+            await self._call("put", self._kv.put(catalog_chunk_key(namespace, name, version, i), chunk,
+                                                 timeout=self.timeout))
+        await self._call("put", self._kv.put(manifest_key, manifest, timeout=self.timeout))
+        return len(manifest) + sum(map(len, chunks))
+
+    async def read_catalog_manifest(self, namespace: str, name: str, version: str) -> dict[str, Any] | None:
+        """A stored version's manifest (items, chunks, bytes), None when it is not (completely) stored."""
+        got = await self._call("read", self._kv.get(catalog_manifest_key(namespace, name, version),
+                                                    timeout=self.timeout))
+        return cs.decode_manifest(bytes(got.kvs[0].value)) if got.kvs else None
+
+    async def read_catalog(self, namespace: str, name: str, version: str) -> cs.Catalog:
+        """One stored version, whole and checked against its hash (:class:`cs.CatalogError` when it is
+        missing or damaged). Chunks are read one request each, so a 1 M-item catalog never needs one
+        gRPC message larger than a chunk."""
+        got = await self._call("read", self._kv.get(catalog_manifest_key(namespace, name, version),
+                                                    timeout=self.timeout))
+        if not got.kvs:
+            raise cs.CatalogError("CatalogNotFound", f"{namespace}/{name} has no catalog version {version}")
+        manifest = bytes(got.kvs[0].value)
+        chunks: list[bytes] = []
+        for i in range(int(cs.decode_manifest(manifest)["chunks"])):
+            key = catalog_chunk_key(namespace, name, version, i)
+            resp = await self._call("read", self._kv.get(key, timeout=self.timeout))
+            if not resp.kvs:
+                raise cs.CatalogError("CatalogCorrupt", f"catalog version {version} lacks chunk {i}")
+            chunks.append(bytes(resp.kvs[0].value))
+        return cs.decode(manifest, chunks)
+
+    async def prune_catalogs(self, namespace: str, name: str, keep: set[str]) -> int:
+        """Drop every catalog version not in ``keep`` (those the kept generations name); returns how many."""
+        prefix = catalog_prefix(namespace, name)
+        resp = await self._range("list", prefix, keys_only=True)
+        stored = {kv.key.decode()[len(prefix):].split("/", 1)[0] for kv in resp.kvs}
+        stale = sorted(stored - keep)
+        for version in stale:
+            vprefix = prefix + version + "/"
+            await self._call("prune", self._kv.delete(vprefix, range_end=etcd3aio.prefix_range_end(vprefix),
+                                                      timeout=self.timeout))
+        return len(stale)
+
+
+    # ---------------------------------------------------------------------------------- blend in force
+
+    async def read_blend(self, namespace: str, name: str) -> tuple[bp.BlendPolicy | None, int]:
+        """The blend settings in force and the key's version (``(None, 0)`` before the first publish);
+        pass the version to :meth:`publish_blend` as ``expected``."""
+        resp = await self._call("read", self._kv.get(blend_key(namespace, name), timeout=self.timeout))
+        if not resp.kvs:
+            return None, 0
+        return bp.BlendPolicy.decode(bytes(resp.kvs[0].value)), int(resp.kvs[0].version)
+
+    async def publish_blend(self, namespace: str, name: str, policy: bp.BlendPolicy, *, expected: int) -> int:
+        """Make ``policy`` the blend in force provided the key is still at version ``expected`` (0: never
+        written); returns the new version. :class:`GenerationConflictError` when someone wrote first."""
+        kv, key = self._kv, blend_key(namespace, name)
+        resp = await self._call("publish", kv.txn([kv.txn_compare_version(key, expected)],
+                                                  [kv.txn_op_put(key, policy.encode())], timeout=self.timeout))
+        if not resp.succeeded:
+            raise GenerationConflictError(f"{namespace}/{name}: blend is no longer at version {expected}; re-read")
+        return expected + 1
+
+    async def watch_blend(self, namespace: str, name: str) -> AsyncIterator[bp.BlendPolicy]:
+        """Yield the blend in force (if published) and every new one; unreadable values are skipped."""
+        key = blend_key(namespace, name)
+        resp = await self._call("read", self._kv.get(key, timeout=self.timeout))
+        if resp.kvs and (policy := _blend(resp.kvs[0].value)) is not None:
+            yield policy
+        watch = self._client.watch
+        assert watch is not None
+        try:
+            async for batch in watch.watch(key, start_revision=resp.header.revision + 1):
+                for event in batch.events:
+                    if event.type == 0 and (policy := _blend(event.kv.value)) is not None:  # 0 == PUT
+                        yield policy
+        except _ERRORS as exc:
+            raise EtcdUnavailableError(f"etcd watch failed: {exc}") from exc
+
 
 def _warm_report(value: bytes) -> ps.WarmReport | None:
     try:
@@ -419,6 +575,14 @@ def _warm_report(value: bytes) -> ps.WarmReport | None:
 def _warm_reports(prefix: str, kvs: Any) -> dict[str, ps.WarmReport]:
     """Pod → report of the ``warm/`` keys read, the unreadable ones skipped."""
     return {kv.key.decode()[len(prefix):]: report for kv in kvs if (report := _warm_report(kv.value)) is not None}
+
+
+def _blend(value: bytes) -> bp.BlendPolicy | None:
+    try:
+        return bp.BlendPolicy.decode(bytes(value))
+    except bp.BlendPolicyError:
+        logging.getLogger(__name__).warning("ignoring an unreadable blend value: %r", bytes(value)[:100])
+        return None
 
 
 class QuietRepeats(logging.Filter):

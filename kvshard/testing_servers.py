@@ -3,11 +3,13 @@
 Tests of anything that talks to etcd run against a real etcd (Debian's ``etcd-server``, or any
 ``etcd`` binary on ``$KVSHARD_ETCD_BINARY``/``PATH``) rather than a fake, because compare-and-swap,
 leases and watches are exactly what fakes get wrong. Each :class:`EtcdServer` has its own temporary
-data directory and ports, so parallel tests never share state.
+data directory and ports, so parallel tests never share state. It serves TLS and demands client
+certificates, as the chart's etcd does, from a CA made for it at construction
+(:mod:`kvshard.certificates`): the TLS path is the one every test takes.
 
     with EtcdServer() as etcd:
-        client = Etcd3Client([etcd.endpoint])
-        ...
+        async with etcd.store() as store:        # EtcdStore with the server's client certificate
+            ...
         etcd.stop()      # simulate an outage (the data directory survives)
         etcd.start()     # back on the same port with the same data
 
@@ -22,6 +24,7 @@ import contextlib
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -32,6 +35,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from kvshard.certificates import EtcdCertificates, make_etcd_certificates
+from kvshard.etcd_store import EtcdStore
+from kvshard.etcd_tls import CA_KEY, CERT_KEY, KEY_KEY, EtcdTLS
 from kvshard.processes import http_ok
 
 
@@ -124,9 +130,15 @@ class _LocalServer(abc.ABC):
 
 
 class EtcdServer(_LocalServer):
-    """A single-member etcd on loopback with a private data directory."""
+    """A single-member etcd on loopback with a private data directory.
 
-    def __init__(self, *, data_dir: Path | None = None, start_timeout: float = 20.0) -> None:
+    With ``tls`` (the default) it serves clients and its peer port over TLS with certificates made
+    for it in ``<data_dir>/tls`` and accepts only clients that present the client certificate
+    (``--client-cert-auth``); :attr:`client_tls`, :meth:`client_flags` and :meth:`tls_secret_data`
+    hand that certificate to whoever should connect. ``tls=False`` serves plaintext.
+    """
+
+    def __init__(self, *, data_dir: Path | None = None, start_timeout: float = 20.0, tls: bool = True) -> None:
         self.binary = etcd_binary()
         self.host = "127.0.0.1"
         self.client_port = free_port()
@@ -136,6 +148,47 @@ class EtcdServer(_LocalServer):
         self.start_timeout = start_timeout
         self._process: subprocess.Popen[bytes] | None = None
         self._log = self.data_dir.parent / f"{self.data_dir.name}.log"
+        self.certificates: EtcdCertificates | None = (
+            make_etcd_certificates(self.data_dir / "tls") if tls else None)
+
+    @property
+    def tls(self) -> bool:
+        return self.certificates is not None
+
+    @property
+    def client_tls(self) -> EtcdTLS | None:
+        """What a client needs to connect (CA, client certificate and key), ``None`` for plaintext."""
+        c = self.certificates
+        if c is None:
+            return None
+        return EtcdTLS.from_files(c.ca, c.client_cert, c.client_key, setting="test etcd")
+
+    def store(self, **kwargs: Any) -> EtcdStore:
+        """An :class:`EtcdStore` on this server with its client certificate (``kwargs`` go to it)."""
+        kwargs.setdefault("tls", self.client_tls)
+        return EtcdStore([self.endpoint], **kwargs)
+
+    def client_args(self) -> dict[str, Any]:
+        """Keyword arguments of ``etcd3aio.Etcd3Client`` for this server (tests that talk to etcd
+        directly, e.g. to enable auth or compact): its CA and client certificate, {} for plaintext."""
+        tls = self.client_tls
+        return {} if tls is None else tls.channel_args([self.endpoint])
+
+    def client_flags(self) -> list[str]:
+        """``--etcd-ca-file/--etcd-cert-file/--etcd-key-file`` for a router or sidecar command line."""
+        c = self.certificates
+        if c is None:
+            return []
+        return ["--etcd-ca-file", str(c.ca), "--etcd-cert-file", str(c.client_cert),
+                "--etcd-key-file", str(c.client_key)]
+
+    def tls_secret_data(self) -> dict[str, bytes]:
+        """The client certificate as a ``kubernetes.io/tls`` Secret holds it (what the operator reads
+        from ``spec.etcd.tls.secretRef``)."""
+        c = self.certificates
+        if c is None:
+            raise RuntimeError("this etcd serves plaintext: no TLS Secret")
+        return {CA_KEY: c.ca.read_bytes(), CERT_KEY: c.client_cert.read_bytes(), KEY_KEY: c.client_key.read_bytes()}
 
     @property
     def endpoint(self) -> str:
@@ -144,13 +197,13 @@ class EtcdServer(_LocalServer):
 
     @property
     def url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     def start(self) -> None:
         """Start (or restart) etcd and wait until ``/health`` says it serves requests."""
         if self.running:
             return
-        peer = f"http://{self.host}:{self.peer_port}"
+        peer = f"{'https' if self.tls else 'http'}://{self.host}:{self.peer_port}"
         cmd = [
             self.binary,
             "--name", "kvshard-test",
@@ -164,12 +217,24 @@ class EtcdServer(_LocalServer):
             "--logger", "zap",
             "--log-outputs", "stderr",
         ]
+        c = self.certificates
+        if c is not None:
+            cmd += [
+                "--cert-file", str(c.server_cert), "--key-file", str(c.server_key),
+                "--client-cert-auth", "--trusted-ca-file", str(c.ca),
+                "--peer-cert-file", str(c.server_cert), "--peer-key-file", str(c.server_key),
+                "--peer-client-cert-auth", "--peer-trusted-ca-file", str(c.ca),
+            ]
         env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
         self._spawn(cmd, self._log, self._healthy, self.start_timeout, f"etcd on {self.endpoint}", env=env)
 
     def _healthy(self) -> bool:
+        context = None
+        if self.certificates is not None:
+            context = ssl.create_default_context(cafile=str(self.certificates.ca))
+            context.load_cert_chain(str(self.certificates.client_cert), str(self.certificates.client_key))
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5) as resp:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5, context=context) as resp:
                 return b'"health":"true"' in resp.read()
         except (urllib.error.URLError, OSError):
             return False

@@ -34,7 +34,6 @@ from typing import Any
 import aiohttp
 
 from kvshard.datasets import Dataset, load_dataset
-from kvshard.etcd_store import EtcdStore
 from kvshard.paths import cache_dir
 from kvshard.placement_schema import Placement
 from kvshard_bench import demo_report as report
@@ -159,8 +158,7 @@ class Replay:
 
     async def run(self) -> ReplayResult:
         steady_n, burst_min, after_n = self.settings.plan()
-        endpoint = str(self.cluster.etcd_endpoint).removeprefix("http://")
-        async with EtcdStore([endpoint]) as store, aiohttp.ClientSession(
+        async with self.cluster.etcd_store() as store, aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=180)) as http:
             self.http = http
             watch = self.watch = PlacementWatch(store, self.ns, self.name, self.cluster.cacheshard, self._now)

@@ -33,6 +33,9 @@ from kvshard.local.cluster import (
 )
 from kvshard.processes import ProcessStartError
 
+SCALE_REQUEST = "scale-request.json"
+SCALE_ANSWER = "scale-answer.json"
+
 log = logging.getLogger(__name__)
 
 
@@ -53,8 +56,15 @@ def state(cluster: LocalCluster) -> dict[str, Any]:
                  "kube": cluster.kube_url, "etcd": cluster.etcd_endpoint,
                  "operator_metrics": cluster.operator_metrics_url, "sidecars": cluster.sidecar_urls},
         "kubeconfig": str(cluster.kubeconfig),
+        "etcd_tls": _etcd_tls_files(cluster),
         "processes": [dataclasses.asdict(p) for p in cluster.processes()],
     }
+
+
+def _etcd_tls_files(cluster: LocalCluster) -> dict[str, str]:
+    """The etcd CA and client certificate files (for etcdctl and your own clients), {} before start."""
+    c = cluster.etcd_certificates
+    return {} if c is None else {"ca": str(c.ca), "cert": str(c.client_cert), "key": str(c.client_key)}
 
 
 def up(args: argparse.Namespace) -> int:
@@ -87,10 +97,13 @@ def up(args: argparse.Namespace) -> int:
         state_file.write_text(json.dumps(state(cluster), indent=2))  # a sidecar may have restarted meanwhile
         print(f"\nlocal cluster up in {cluster.run_dir}\n  router      {cluster.router_url}\n"
               f"  prometheus  {cluster.prometheus_url}\n  kubeconfig  {cluster.kubeconfig}\n"
+              f"  etcd        {cluster.etcd_endpoint} (TLS: {' '.join(cluster.etcd_client_flags)})\n"
               f"Ctrl-C or `kvshard down --dir {cluster.run_dir}` stops it.", flush=True)
         while True:
             time.sleep(1.0)
             cluster.check_alive()
+            if serve_scale_request(cluster):
+                state_file.write_text(json.dumps(state(cluster), indent=2))
     except KeyboardInterrupt:
         print("stopping the local cluster…", flush=True)
     except (ClusterStartError, ProcessStartError, TimeoutError) as exc:
@@ -108,6 +121,68 @@ def up(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGINT, interrupt)
     print("local cluster stopped", flush=True)
     return code
+
+
+def serve_scale_request(cluster: LocalCluster) -> bool:
+    """Apply a ``kvshard scale`` request left in the run folder, if any; answer it beside it."""
+    request = cluster.run_dir / SCALE_REQUEST
+    try:
+        asked = json.loads(request.read_text())
+    except FileNotFoundError:
+        return False
+    except json.JSONDecodeError:
+        return False  # being written; next second
+    request.unlink(missing_ok=True)
+    answer: dict[str, Any] = {"id": asked.get("id")}
+    try:
+        change = cluster.scale(int(asked["pods"]))
+        answer.update(pods=list(change.after), added=list(change.added), removed=list(change.removed),
+                      seconds=round(change.seconds, 1), drains=change.drains)
+    except (ValueError, KeyError, RuntimeError, ProcessStartError) as exc:
+        answer["error"] = str(exc)
+    (cluster.run_dir / SCALE_ANSWER).write_text(json.dumps(answer, indent=2))
+    return True
+
+
+def scale(args: argparse.Namespace) -> int:
+    """``kvshard scale --pods N``: ask the running ``kvshard up`` to scale and wait for its answer."""
+    if args.pods < 1:
+        print("kvshard scale: --pods must be >= 1", file=sys.stderr)
+        return 2
+    run_dir = local_settings.from_args(argparse.Namespace(dir=args.dir)).run_dir
+    try:
+        recorded = json.loads((run_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        print(f"kvshard scale: no local cluster runs in {run_dir} (start one with `kvshard up`)")
+        return 1
+    if not _alive(int(recorded["up_pid"]), recorded.get("up_start_time")):
+        print(f"kvshard scale: the kvshard up of {run_dir} is not running")
+        return 1
+    ident = f"{os.getpid()}-{time.time_ns()}"
+    (run_dir / SCALE_ANSWER).unlink(missing_ok=True)
+    pending = run_dir / (SCALE_REQUEST + ".tmp")
+    pending.write_text(json.dumps({"id": ident, "pods": args.pods}))
+    pending.replace(run_dir / SCALE_REQUEST)  # atomic: `up` never reads half a request
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            answer = json.loads((run_dir / SCALE_ANSWER).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            time.sleep(0.5)
+            continue
+        if answer.get("id") != ident:
+            time.sleep(0.5)
+            continue
+        if "error" in answer:
+            print(f"kvshard scale: {answer['error']}")
+            return 1
+        print(f"pods: {', '.join(answer['pods'])} (added: {', '.join(answer['added']) or '-'}; removed: "
+              f"{', '.join(answer['removed']) or '-'}) in {answer['seconds']} s")
+        for pod, drained in answer["drains"].items():
+            print(f"  {pod} drained: {json.dumps(drained)}")
+        return 0
+    print(f"kvshard scale: no answer from kvshard up within {args.timeout:.0f} s")
+    return 1
 
 
 def _alive(pid: int, start_time: int | None) -> bool:
@@ -164,9 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     local_settings.add_up_arguments(sub.add_parser("up"))
     local_settings.add_down_arguments(sub.add_parser("down"))
+    local_settings.add_scale_arguments(sub.add_parser("scale"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return up(args) if args.command == "up" else down(args)
+    return {"up": up, "down": down, "scale": scale}[args.command](args)
 
 
 if __name__ == "__main__":

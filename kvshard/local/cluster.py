@@ -13,11 +13,17 @@ it turns sidecar processes into ready/not-ready pods and restarts crashed ones.
 Every port is a free one, every process is its own process group logging to ``<run>/logs``, and
 ``stop()`` stops them all (twice is harmless). The CacheShard is applied once every sidecar is
 ready, so the first placement generation already spans every pod instead of growing pod by pod.
+
+etcd serves TLS and demands client certificates, as in a cluster: its CA and one client certificate
+are made at start (``<run>/etcd/tls``); the router and the sidecars get the files as flags, the
+operator reads them from the Secret :data:`ETCD_TLS_SECRET` that ``spec.etcd.tls`` names — the
+chart wires them the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -40,9 +46,12 @@ import yaml
 
 from kvshard import etcd_store
 from kvshard import placement_schema as ps
+from kvshard.certificates import EtcdCertificates
+from kvshard.etcd_tls import EtcdTLS
 from kvshard.local import manifests
 from kvshard.local.kubeapi import CACHESHARDS, KubeApi, condition
 from kvshard.local.kubelet import Kubelet, PodProcess
+from kvshard.local.scaling import LocalAutoscaler, ScaleChange, local_rules, scale_pods
 from kvshard.local.settings import LocalClusterSettings
 from kvshard.processes import ManagedProcess, ProcessStartError, http_ok
 from kvshard.testing_servers import EtcdServer, PrometheusServer, free_port
@@ -52,6 +61,9 @@ log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 STATE_FILE = "cluster.json"
 LOCK_FILE = "up.lock"
+ETCD_TLS_SECRET = "kvshard-etcd-client"
+"""The Secret (``ca.crt``, ``tls.crt``, ``tls.key``) the local CacheShard's ``spec.etcd.tls`` names."""
+SECRETS = "/api/v1/namespaces/{ns}/secrets"
 
 
 class ClusterAlreadyRunningError(RuntimeError):
@@ -123,11 +135,18 @@ class LocalCluster:
         self.sidecar_urls = {pod: f"http://{HOST}:{free_port()}" for pod in self.pod_names}
         self.prometheus_url = ""
         self.etcd_endpoint = ""
+        self.etcd_tls: EtcdTLS | None = None
+        """What a client needs to reach this cluster's etcd (CA, client certificate and key)."""
+        self.etcd_certificates: EtcdCertificates | None = None
+        self.etcd_client_flags: list[str] = []
+        """``--etcd-ca-file …`` flags for a ``kvshard router``/``sidecar`` against this cluster's etcd."""
         self.api = KubeApi(self.kube_url)
         self._etcd: EtcdServer | None = None
         self._prometheus: PrometheusServer | None = None
         self._processes: dict[str, ManagedProcess] = {}
         self._kubelet: Kubelet | None = None
+        self.autoscaler: LocalAutoscaler | None = None
+        """The autoscaler loop when ``settings.autoscale`` (started once the cluster is ready)."""
         self._lock: IO[str] | None = None
         self._started = False
 
@@ -146,16 +165,23 @@ class LocalCluster:
         self._started = True
         self._fresh_run_dir()
 
-        log.info("starting etcd")
+        log.info("starting etcd (TLS, client certificates)")
         self._etcd = EtcdServer(data_dir=self.run_dir / "etcd")
         self._etcd.start()
         self.etcd_endpoint = self._etcd.endpoint
+        self.etcd_tls = self._etcd.client_tls
+        self.etcd_certificates = self._etcd.certificates
+        self.etcd_client_flags = self._etcd.client_flags()
         self._link_log("etcd", self.run_dir / "etcd.log")
 
         log.info("starting the local Kubernetes API on %s", self.kube_url)
         self._spawn("kube-api", [sys.executable, "-m", "kvshard.local.emulator", "--port", str(self._ports["kube"]),
                                  "--kubeconfig", str(self.kubeconfig), "--namespace", self.namespace],
                     ready_url=self.kube_url + "/version", timeout=60)
+        self.api.create(SECRETS.format(ns=self.namespace), {
+            "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": ETCD_TLS_SECRET, "namespace": self.namespace},
+            "data": {k: base64.b64encode(v).decode() for k, v in self._etcd.tls_secret_data().items()}})
 
         log.info("starting the operator")
         operator = self._spawn("operator", _cli("operator", "run", "--metrics-port",
@@ -174,12 +200,7 @@ class LocalCluster:
         self._kubelet.start()
 
         log.info("starting Prometheus")
-        config = self.run_dir / "prometheus.yml"
-        config.write_text(yaml.safe_dump(manifests.prometheus_config(
-            scrape_interval_seconds=self.settings.scrape_interval_seconds,
-            sidecars={pod: url.split("//", 1)[1] for pod, url in self.sidecar_urls.items()},
-            router=self.router_url.split("//", 1)[1],
-            operator=f"{HOST}:{self._ports['operator_metrics']}")))
+        config = self.write_prometheus_config()
         self._prometheus = PrometheusServer(config, data_dir=self.run_dir / "prometheus")
         self._prometheus.start()
         self.prometheus_url = self._prometheus.url
@@ -187,7 +208,7 @@ class LocalCluster:
 
         log.info("starting the router on %s", self.router_url)
         router = self._spawn("router", _cli("router", "serve", "--host", HOST, "--port", str(self._ports["router"]),
-                                            "--etcd-endpoints", self.etcd_endpoint,
+                                            "--etcd-endpoints", self.etcd_endpoint, *self.etcd_client_flags,
                                             "--cacheshard", f"{self.namespace}/{self.name}",
                                             "--policy", self.settings.router_policy),
                              ready_url=self.router_url + "/readyz", wait=False)
@@ -199,15 +220,20 @@ class LocalCluster:
 
         manifest = manifests.local_cacheshard(
             self._manifest, namespace=self.namespace, etcd_endpoint=self.etcd_endpoint,
-            prometheus_url=self.prometheus_url, generated=self._generated, dataset=self.settings.dataset,
-            clusters=self.settings.clusters_per_pod * self.settings.pods,
+            etcd_tls_secret=ETCD_TLS_SECRET, prometheus_url=self.prometheus_url, generated=self._generated,
+            dataset=self.settings.dataset, clusters=self.settings.clusters_per_pod * self.settings.pods,
             rebalance_interval_seconds=self.settings.rebalance_interval_seconds)
         (self.run_dir / "cacheshard.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
         self.api.create(CACHESHARDS.format(ns=self.namespace), manifests.as_applied(manifest))
         log.info("applied CacheShard %s/%s (%s clusters)", self.namespace, self.name, manifest["spec"].get("clusters"))
+        if self.settings.autoscale:
+            self.autoscaler = LocalAutoscaler(self, local_rules(self.settings))
+            self.autoscaler.start()
 
     def stop(self) -> None:
         """Stop everything this cluster started (process groups, no orphans); idempotent."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()  # first, or it would scale what we stop
         processes = list(self._processes.items())
         self._processes = {}
         if self._kubelet is not None:
@@ -313,11 +339,15 @@ class LocalCluster:
         """The current placement and every pod's warm report, from etcd."""
 
         async def read() -> tuple[ps.Placement | None, dict[str, ps.WarmReport]]:
-            async with etcd_store.EtcdStore([self.etcd_endpoint], timeout=2.0, attempts=1) as store:
+            async with self.etcd_store(timeout=2.0, attempts=1) as store:
                 return (await store.read_current(self.namespace, self.name),
                         await store.read_warm(self.namespace, self.name))
 
         return asyncio.run(read())
+
+    def etcd_store(self, **kwargs: Any) -> etcd_store.EtcdStore:
+        """An :class:`~kvshard.etcd_store.EtcdStore` on this cluster's etcd, with its client certificate."""
+        return etcd_store.EtcdStore([self.etcd_endpoint], tls=self.etcd_tls, **kwargs)
 
     def pod_ready(self, pod: str) -> bool:
         """The pod's ``Ready`` condition as the API holds it."""
@@ -362,6 +392,25 @@ class LocalCluster:
     def stop_operator(self, name: str) -> None:
         """Stop an operator started by :meth:`start_operator`."""
         self._processes.pop(name).stop()
+
+    def scale(self, pods: int, *, drain_timeout: float = 60.0) -> ScaleChange:
+        """Run ``pods`` sidecar pods, adding or removing the highest ordinals as a StatefulSet does:
+        a new pod starts, the operator places it, it warms and the router routes to it once warm; a
+        leaving pod drains first (``GET /v1/drain``, as the chart's preStop hook), then stops and
+        its Pod object is deleted. Returns once the pods run (not once the new ones are warm)."""
+        return scale_pods(self, pods, drain_timeout=drain_timeout)
+
+    def write_prometheus_config(self) -> Path:
+        """``<run>/prometheus.yml`` for the pods that run now (Prometheus re-reads it on reload)."""
+        config = self.run_dir / "prometheus.yml"
+        config.write_text(yaml.safe_dump(manifests.prometheus_config(
+            scrape_interval_seconds=self.settings.scrape_interval_seconds,
+            sidecars={pod: url.split("//", 1)[1] for pod, url in self.sidecar_urls.items()},
+            router=self.router_url.split("//", 1)[1],
+            operator=f"{HOST}:{self._ports['operator_metrics']}", namespace=self.namespace)))
+        if self._prometheus is not None and self._prometheus.pid is not None:
+            self._prometheus.reload()
+        return config
 
     def restarts(self, pod: str) -> int:
         return self._kubelet.pods[pod].restarts if self._kubelet is not None else 0
@@ -447,14 +496,17 @@ class LocalCluster:
         url = self.sidecar_urls[pod]
         threads = str(self.settings.threads)
         command = _cli("sidecar", "serve", "--host", HOST, "--port", url.rsplit(":", 1)[1], "--pod-name", pod,
-                       "--model", self.settings.model, "--dataset", self.settings.dataset,
+                       "--model", self.settings.model,
                        "--memory-bytes", str(self.settings.memory_bytes),
                        "--disk-dir", str(self.pod_disk_dir(pod)), "--peer-token-file", str(token_file))
-        # the sidecar follows placement: it warms its clusters, reports them, and finds peers in etcd
-        command += ["--etcd-endpoints", self.etcd_endpoint, "--cacheshard", f"{self.namespace}/{self.name}",
-                    "--advertise-url", url]
+        # the sidecar follows placement: it warms its clusters, reports them, and finds peers in etcd;
+        # its catalog and prompt are the CacheShard's (the version the placement names), no --dataset
+        command += ["--etcd-endpoints", self.etcd_endpoint, *self.etcd_client_flags,
+                    "--cacheshard", f"{self.namespace}/{self.name}", "--advertise-url", url]
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-               "KVSHARD_SIDECAR_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+               "KVSHARD_SIDECAR_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+               "KVSHARD_SIDECAR_TTFT_TARGET_SECONDS": str(self.settings.ttft_target_seconds),
+               "KVSHARD_SIDECAR_PRESSURE_WINDOW_SECONDS": str(self.settings.pressure_window_seconds)}
         return ManagedProcess(command, self.logs_dir / f"{pod}.log", url + "/readyz", env=env,
                               start_timeout=self.settings.start_timeout_seconds)
 

@@ -51,15 +51,20 @@ def load_cacheshard(path: Path | None = None) -> dict[str, Any]:
 
 def local_cacheshard(base: Mapping[str, Any], *, namespace: str, etcd_endpoint: str, prometheus_url: str,
                      generated: bool, dataset: str = "movielens-100k", clusters: int = 12,
-                     rebalance_interval_seconds: int = 15) -> dict[str, Any]:
-    """``base`` pointed at this run's etcd and Prometheus; ``generated`` also sets catalog, clusters
-    and the rebalance interval (a user's YAML keeps its own)."""
+                     rebalance_interval_seconds: int = 15, etcd_tls_secret: str | None = None) -> dict[str, Any]:
+    """``base`` pointed at this run's etcd (over TLS with the client certificate in the Secret
+    ``etcd_tls_secret``, when given) and Prometheus; ``generated`` also sets catalog, clusters and
+    the rebalance interval (a user's YAML keeps its own)."""
     obj = copy.deepcopy(dict(base))
     obj.setdefault("apiVersion", "kvshard.io/v1alpha1")
     meta = obj.setdefault("metadata", {})
     meta["namespace"] = namespace
     spec = obj["spec"]
     spec["etcd"] = {**(spec.get("etcd") or {}), "endpoints": [etcd_endpoint]}
+    if etcd_tls_secret:
+        spec["etcd"]["tls"] = {"secretRef": {"name": etcd_tls_secret}}
+    else:
+        spec["etcd"].pop("tls", None)  # a user's TLS settings are for their etcd, not this one
     spec["prometheus"] = {**(spec.get("prometheus") or {}), "url": prometheus_url}
     if generated:
         spec["catalog"] = catalog_source(dataset)
@@ -79,12 +84,16 @@ def as_applied(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def prometheus_config(*, scrape_interval_seconds: float, sidecars: Mapping[str, str], router: str | None,
-                      operator: str | None) -> dict[str, Any]:
-    """``prometheus.yml``: targets are ``host:port``; ``sidecars`` maps pod name → target."""
+                      operator: str | None, namespace: str = "") -> dict[str, Any]:
+    """``prometheus.yml``: targets are ``host:port``; ``sidecars`` maps pod name → target. Sidecars
+    carry ``pod`` and ``namespace`` labels as a ServiceMonitor gives them in a cluster, so the
+    chart's autoscaling query selects them unchanged."""
     interval = f"{max(1, round(scrape_interval_seconds * 1000))}ms"
+    where = {"namespace": namespace} if namespace else {}
     jobs: list[dict[str, Any]] = [{
         "job_name": "kvshard-sidecar",
-        "static_configs": [{"targets": [target], "labels": {"pod": pod}} for pod, target in sorted(sidecars.items())],
+        "static_configs": [{"targets": [target], "labels": {"pod": pod, **where}}
+                           for pod, target in sorted(sidecars.items())],
     }]
     if router:
         jobs.append({"job_name": "kvshard-router", "static_configs": [{"targets": [router]}]})

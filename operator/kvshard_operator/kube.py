@@ -1,6 +1,6 @@
-"""The few direct Kubernetes reads the operator needs beyond kopf's watches: a catalog ConfigMap
-and the etcd credentials Secret. Uses the official client (in-cluster config, else KUBECONFIG);
-calls are blocking, so handlers run them in a thread.
+"""The few direct Kubernetes reads the operator needs beyond kopf's watches: a catalog ConfigMap,
+the etcd Secrets (credentials, TLS) and a catalog URL's token Secret. Uses the official client (in-cluster
+config, else KUBECONFIG); calls are blocking, so handlers run them in a thread.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvshard_operator.catalog import CatalogError
 
 
 class SecretError(ValueError):
-    """The etcd Secret is missing or lacks ``username``/``password``."""
+    """A Secret is missing (or unreadable), or lacks the keys it must have."""
 
 
 @functools.cache
@@ -39,8 +39,21 @@ def read_configmap(namespace: str, name: str) -> Mapping[str, str]:
     return dict(cm.data or {})
 
 
-def read_etcd_credentials(namespace: str, name: str) -> tuple[str, str]:
-    """``(username, password)`` from a Secret, or :class:`SecretError`."""
+def read_secret(namespace: str, name: str) -> dict[str, bytes]:
+    """A Secret's data decoded (key → bytes): the etcd credentials (``username``, ``password``) or
+    TLS material (``ca.crt``, ``tls.crt``, ``tls.key``); :class:`SecretError` if it cannot be read.
+    The caller checks the keys it needs."""
+    import kubernetes
+
+    try:
+        secret = _core_api().read_namespaced_secret(name, namespace)
+    except kubernetes.client.ApiException as exc:
+        raise SecretError(f"Secret {namespace}/{name}: {exc.reason}") from exc
+    return {key: base64.b64decode(value) for key, value in (secret.data or {}).items()}
+
+
+def read_secret_key(namespace: str, name: str, key: str) -> str:
+    """One key of a Secret (a catalog URL's bearer token), or :class:`SecretError`."""
     import kubernetes
 
     try:
@@ -48,6 +61,6 @@ def read_etcd_credentials(namespace: str, name: str) -> tuple[str, str]:
     except kubernetes.client.ApiException as exc:
         raise SecretError(f"Secret {namespace}/{name}: {exc.reason}") from exc
     data = secret.data or {}
-    if "username" not in data or "password" not in data:
-        raise SecretError(f"Secret {namespace}/{name} needs keys username and password")
-    return base64.b64decode(data["username"]).decode(), base64.b64decode(data["password"]).decode()
+    if key not in data:
+        raise SecretError(f"Secret {namespace}/{name} has no key {key!r}")
+    return base64.b64decode(data[key]).decode()

@@ -31,7 +31,7 @@ MOVED_REPLICAS = Counter(
 PUBLISH_ERRORS = Counter(
     "kvshard_operator_publish_errors_total",
     "Failed attempts to publish a placement, by kind.",
-    ["kind"],  # unavailable | conflict | auth
+    ["kind"],  # unavailable | conflict | auth | tls
 )
 INVALID = Counter(
     "kvshard_operator_invalid_cacheshards_total",
@@ -42,5 +42,26 @@ PLACEMENT_GENERATION = Gauge(
     "kvshard_operator_placement_generation",
     "The placement generation last published, per CacheShard (cacheshard=\"<namespace>/<name>\", as on "
     "the router's and the sidecars' series).",
+    ["cacheshard"],
+)
+FIDELITY_DECISIONS = Counter(
+    "kvshard_operator_fidelity_decisions",
+    "Fidelity controller intervals, by reason (BelowTarget, AboveTarget, MeetsTarget, AtMaxRatio, "
+    "InsufficientSamples, PrometheusUnavailable).",
+    ["reason"],
+)
+BLEND_RATIO = Gauge(
+    "kvshard_operator_blend_ratio",
+    "The recompute ratio in force (published to etcd), per CacheShard.",
+    ["cacheshard"],
+)
+FIDELITY_TARGET = Gauge(
+    "kvshard_operator_fidelity_target",
+    "spec.fidelity.targetAgreementPercent as a fraction, per CacheShard (dashboards and alerts compare with it).",
+    ["cacheshard"],
+)
+FIDELITY_MAX_RATIO = Gauge(
+    "kvshard_operator_fidelity_max_ratio",
+    "spec.fidelity.maxRatioPercent as a fraction, per CacheShard.",
     ["cacheshard"],
 )

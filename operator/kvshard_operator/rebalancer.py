@@ -36,7 +36,7 @@ from kvshard.rebalance import Action, PodStats, RebalanceSettings, rebalance
 from kvshard_operator import conditions as cond
 from kvshard_operator import metrics, validation
 from kvshard_operator.prometheus import Heat, PrometheusClient, PrometheusError
-from kvshard_operator.reconcile import SecretReader, ShardState, etcd_credentials
+from kvshard_operator.reconcile import SecretReader, ShardState, etcd_access, etcd_error_kind
 from kvshard_operator.settings import Settings
 
 HEAT_TTL_INTERVALS = 10
@@ -168,13 +168,12 @@ async def rebalance_shard(
         return RebalanceOutcome(outcome, message, patch, published=published, **extra)
 
     try:
-        username, password = await etcd_credentials(spec, namespace, read_secret)
+        access = await etcd_access(spec, namespace, read_secret)
     except ValueError as exc:
         state.rebalanced_at = at
-        return finish("EtcdUnavailable", cond.FALSE, f"cannot read etcd credentials: {exc}", stamp=False)
+        return finish("EtcdUnavailable", cond.FALSE, f"cannot read the etcd Secrets: {exc}", stamp=False)
 
-    store = etcd_store.EtcdStore(spec["etcd"]["endpoints"], username=username, password=password,
-                                 timeout=settings.etcd_timeout_seconds, attempts=1)
+    store = access.store(timeout=settings.etcd_timeout_seconds)
     try:
         async with store:
             current = await store.read_current(namespace, name)
@@ -214,7 +213,7 @@ async def rebalance_shard(
         return RebalanceOutcome("GenerationConflict", str(exc), {})
     except (etcd_store.EtcdStoreError, ps.PlacementFormatError) as exc:
         if isinstance(exc, etcd_store.EtcdStoreError):
-            metrics.PUBLISH_ERRORS.labels("auth" if isinstance(exc, etcd_store.EtcdAuthError) else "unavailable").inc()
+            metrics.PUBLISH_ERRORS.labels(etcd_error_kind(exc)).inc()
         state.rebalanced_at = at
         logger.warning("rebalance skipped: %s", exc)
         return finish("EtcdUnavailable", cond.FALSE, str(exc), stamp=False)

@@ -27,7 +27,7 @@ from typing import Any
 from kvshard import etcd_store
 from kvshard import placement_schema as ps
 from kvshard_operator import conditions as cond
-from kvshard_operator.reconcile import SecretReader, etcd_credentials
+from kvshard_operator.reconcile import SecretReader, etcd_access
 from kvshard_operator.settings import Settings
 
 WARMING, NOT_PLACED, ETCD_UNAVAILABLE, CLUSTERS_WARM = "Warming", "NotPlaced", "EtcdUnavailable", "ClustersWarm"
@@ -80,9 +80,8 @@ async def observe(*, namespace: str, name: str, spec: Mapping[str, Any], setting
                   read_secret: SecretReader | None) -> Warmth:
     """Read the current assignment and the warm reports from etcd; never raises for etcd trouble."""
     try:
-        username, password = await etcd_credentials(spec, namespace, read_secret)
-        async with etcd_store.EtcdStore(spec["etcd"]["endpoints"], username=username, password=password,
-                                        timeout=settings.etcd_timeout_seconds, attempts=1) as store:
+        access = await etcd_access(spec, namespace, read_secret)
+        async with access.store(timeout=settings.etcd_timeout_seconds) as store:
             placement = await store.read_assignment(namespace, name)
             reports = await store.read_warm(namespace, name) if placement is not None else {}
     except (ValueError, etcd_store.EtcdStoreError) as exc:  # PlacementFormatError is a ValueError

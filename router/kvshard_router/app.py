@@ -120,10 +120,13 @@ async def healthz(request: web.Request) -> web.StreamResponse:
 
 async def readyz(request: web.Request) -> web.StreamResponse:
     """Ready when a placement is loaded and at least one of its pods can take requests."""
-    state = request.app[ROUTER_APP].state
+    router_app = request.app[ROUTER_APP]
+    state, follower = router_app.state, router_app.follower
     snapshot = state.snapshot
     if snapshot is None:
-        return error_response(503, "placement", "no placement loaded yet")
+        # say why when etcd refuses us (a wrong CA, a missing client certificate), not only that
+        reason = follower.errors.get("placement", "") if follower is not None else ""
+        return error_response(503, "placement", "no placement loaded yet" + (f": {reason}" if reason else ""))
     healthy = [pod for pod in state.pods() if state.routable(pod)]
     if not healthy:
         return error_response(503, "pods", f"none of the {len(snapshot.pods)} pods of generation "

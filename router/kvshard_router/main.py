@@ -9,6 +9,7 @@ import sys
 from aiohttp import web
 
 from kvshard.etcd_store import EtcdStore, quiet_watch_reconnects
+from kvshard.etcd_tls import EtcdTLSConfigError
 from kvshard.settings import SettingsError, describe
 from kvshard_router import settings as router_settings
 
@@ -26,13 +27,14 @@ def serve(args: argparse.Namespace) -> int:
         settings = router_settings.from_args(args)
         if not settings.etcd_endpoints:
             raise SettingsError("--etcd-endpoints is required: the router routes by the placement published in etcd")
-    except SettingsError as error:
+        tls = settings.etcd_tls()
+    except (SettingsError, EtcdTLSConfigError) as error:
         print(f"kvshard router serve: {error}", file=sys.stderr)
         return 2
     log.info("router settings: %s", describe(settings))
     quiet_watch_reconnects()
     store = EtcdStore(settings.etcd_endpoints, username=settings.etcd_username or None,
-                      password=settings.etcd_password or None)
+                      password=settings.etcd_password or None, tls=tls)
     web.run_app(build_app(settings, store), host=settings.host, port=settings.port,
                 print=lambda line: log.info("%s", line), access_log=None, shutdown_timeout=5)
     return 0

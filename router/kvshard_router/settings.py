@@ -2,7 +2,8 @@
 
 The router is stateless: everything it routes by comes from etcd (placement generations and the
 sidecars' warm reports), so its settings are only where to listen, where etcd is, which CacheShard
-to follow and how to score. The etcd password is a secret and comes from the environment only.
+to follow and how to score. The etcd password is a secret and comes from the environment only; the
+etcd TLS files (CA, client certificate and key: a mounted Secret) are paths, read at startup.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from kvshard import settings as settings_lib
+from kvshard.etcd_tls import EtcdTLS, files_problem
 from kvshard.settings import setting
 from kvshard_router.policies import DEFAULT_LOAD_PENALTY_TOKENS
 
@@ -30,6 +33,13 @@ class RouterSettings:
     etcd_endpoints: tuple[str, ...] = setting((), "etcd endpoints host:port holding the placement (comma-separated)")
     etcd_username: str = setting("", "etcd user (empty: no authentication)")
     etcd_password: str = setting("", "etcd password", secret=True)
+    etcd_ca_file: Path | None = setting(None, "CA certificate (PEM) that signed etcd's server certificate; "
+                                        "set, the router talks TLS to etcd (the Secret's ca.crt)")
+    etcd_cert_file: Path | None = setting(None, "client certificate (PEM) the router presents to etcd "
+                                          "(client-cert auth; tls.crt); needs the key and the CA file")
+    etcd_key_file: Path | None = setting(None, "private key (PEM) of the etcd client certificate (tls.key)")
+    etcd_server_name: str = setting("", "name etcd's server certificate must carry (empty: the host of the "
+                                    "first endpoint)")
     cacheshard: str = setting("", "the CacheShard whose placement to follow, as <namespace>/<name>")
     policy: PolicyName = setting("affinity", "routing policy: affinity (cached tokens minus load), round-robin, "
                                  "least-loaded or prefix-aware (the baselines)")
@@ -54,10 +64,19 @@ class RouterSettings:
         bad = [e for e in self.etcd_endpoints if not _HOST_PORT.fullmatch(e)]
         if bad:
             raise settings_lib.SettingsError(f"etcd_endpoints: {', '.join(bad)} is not host:port")
+        problem = files_problem(self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file)
+        if problem:
+            raise settings_lib.SettingsError(f"{ENV_PREFIX}ETCD_CA_FILE/_CERT_FILE/_KEY_FILE: {problem}")
         if self.cacheshard:
             self.shard()  # validates the form
         elif self.etcd_endpoints:
             raise settings_lib.SettingsError("cacheshard (<namespace>/<name>) is required with etcd_endpoints")
+
+    def etcd_tls(self) -> EtcdTLS | None:
+        """The etcd TLS material read from its files (``None``: plaintext); raises
+        :class:`~kvshard.etcd_tls.EtcdTLSConfigError` naming an unreadable or non-PEM file."""
+        return EtcdTLS.from_files(self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file,
+                                  server_name=self.etcd_server_name, setting=f"{ENV_PREFIX}ETCD_*")
 
     def shard(self) -> tuple[str, str]:
         """``cacheshard`` as ``(namespace, name)``."""

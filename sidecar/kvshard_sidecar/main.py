@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from aiohttp import web
 
-from kvshard.settings import describe
+from kvshard.etcd_tls import EtcdTLSConfigError
+from kvshard.settings import SettingsError, describe
 from kvshard_sidecar import settings as sidecar_settings
 
 log = logging.getLogger(__name__)
@@ -21,7 +23,12 @@ def serve(args: argparse.Namespace) -> int:
     from kvshard_sidecar.app import build_app
     from kvshard_sidecar.service import SidecarService
 
-    settings = sidecar_settings.from_args(args)
+    try:
+        settings = sidecar_settings.from_args(args)
+        settings.etcd_tls()  # unreadable TLS files stop the start, not every etcd session later
+    except (SettingsError, EtcdTLSConfigError) as error:
+        print(f"kvshard sidecar serve: {error}", file=sys.stderr)
+        return 2
     log.info("sidecar settings: %s", describe(settings))
     if settings.etcd_endpoints:
         from kvshard.etcd_store import quiet_watch_reconnects

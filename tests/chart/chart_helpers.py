@@ -36,7 +36,7 @@ VALUES_CASES: dict[str, Path | None] = {
 }
 
 # API groups of custom resources kubernetes-validate has no schema for (checked otherwise).
-CUSTOM_GROUPS = frozenset({"monitoring.coreos.com", "keda.sh", "kvshard.io"})
+CUSTOM_GROUPS = frozenset({"monitoring.coreos.com", "keda.sh", "kvshard.io", "cert-manager.io"})
 
 Manifest = dict[str, Any]
 

@@ -64,7 +64,7 @@ def test_names_and_labels_fit_63_characters_for_the_longest_release_name(helm_bi
 #   cacheshards/status patch                conditions, placementGeneration, counts
 #   pods list, watch                        the pod index (ready pods selected by spec.podSelector)
 #   configmaps get                          spec.catalog.configMap
-#   secrets get                             spec.etcd.secretRef (etcd username/password)
+#   secrets get                             spec.etcd.secretRef (etcd username/password), spec.etcd.tls.secretRef
 #   events create                           kopf posts handler warnings/errors as Events
 # ----------------------------------------------------------------------------------------------
 Rule = tuple[str, str, frozenset[str]]
@@ -289,7 +289,7 @@ def test_autoscaled_engine_leaves_replicas_to_the_hpa(rendered: dict[str, list[M
     target = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "kvs-kvshard-engine"}
     assert hpa["spec"]["scaleTargetRef"] == target
     assert hpa["spec"]["metrics"][0]["type"] == "Pods"
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kvshard_sidecar_requests"
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kvshard_sidecar_pressure"
     keda = find(rendered["autoscaling-keda"], "ScaledObject")
     assert keda["spec"]["scaleTargetRef"]["name"] == "kvs-kvshard-engine"
     assert not [o for o in rendered["autoscaling-keda"] if o["kind"] == "HorizontalPodAutoscaler"]

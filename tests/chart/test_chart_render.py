@@ -28,22 +28,28 @@ from chart_helpers import (
 # What each values file renders (kind/name, release "kvs"); a change here is a change users see.
 ROUTER = {
     "Deployment/kvs-kvshard-router", "Service/kvs-kvshard-router", "ServiceAccount/kvs-kvshard-router",
-    "PodDisruptionBudget/kvs-kvshard-router", "ServiceMonitor/kvs-kvshard-router",
+    "PodDisruptionBudget/kvs-kvshard-router", "ServiceMonitor/kvs-kvshard-router", "NetworkPolicy/kvs-kvshard-router",
+}
+# cert-manager: the chart's own etcd CA (a self-signed Issuer, the CA Certificate and its Issuer) and
+# etcd's server, peer and client certificates.
+ETCD_CERTIFICATES = {
+    "Issuer/kvs-kvshard-etcd-selfsigned", "Certificate/kvs-kvshard-etcd-ca", "Issuer/kvs-kvshard-etcd-ca",
+    "Certificate/kvs-kvshard-etcd-server", "Certificate/kvs-kvshard-etcd-peer", "Certificate/kvs-kvshard-etcd-client",
 }
 EXPECTED = {
     "default": {
         "ClusterRole/kvs-kvshard-operator", "ClusterRoleBinding/kvs-kvshard-operator",
         "ConfigMap/kvs-kvshard-dashboard", "Deployment/kvs-kvshard-operator",
-        "NetworkPolicy/kvs-kvshard-engine", "NetworkPolicy/kvs-kvshard-etcd",
+        "NetworkPolicy/kvs-kvshard-engine", "NetworkPolicy/kvs-kvshard-etcd", "NetworkPolicy/kvs-kvshard-operator",
         "PodDisruptionBudget/kvs-kvshard-engine", "PrometheusRule/kvs-kvshard",
         "Secret/kvs-kvshard-peer-token", "Service/kvs-kvshard-engine", "Service/kvs-kvshard-engine-peers",
         "Service/kvs-kvshard-etcd", "Service/kvs-kvshard-etcd-peers", "Service/kvs-kvshard-operator",
         "ServiceAccount/kvs-kvshard-engine", "ServiceAccount/kvs-kvshard-operator",
         "ServiceMonitor/kvs-kvshard-engine", "ServiceMonitor/kvs-kvshard-operator",
         "StatefulSet/kvs-kvshard-engine", "StatefulSet/kvs-kvshard-etcd",
-    } | ROUTER,
+    } | ROUTER | ETCD_CERTIFICATES,
 }
-EXPECTED["external-etcd"] = (EXPECTED["default"] - {
+EXPECTED["external-etcd"] = (EXPECTED["default"] - ETCD_CERTIFICATES - {
     "NetworkPolicy/kvs-kvshard-etcd", "Secret/kvs-kvshard-peer-token", "Service/kvs-kvshard-etcd",
     "Service/kvs-kvshard-etcd-peers", "StatefulSet/kvs-kvshard-etcd",
 }) | {"Role/kvs-kvshard-operator", "RoleBinding/kvs-kvshard-operator", "CacheShard/kvs-kvshard-movielens"}
@@ -54,7 +60,8 @@ EXPECTED["autoscaling-keda"] = EXPECTED["default"] | {"ScaledObject/kvs-kvshard-
 EXPECTED["monitoring-off"] = (EXPECTED["default"] - {
     "ConfigMap/kvs-kvshard-dashboard", "PrometheusRule/kvs-kvshard", "ServiceMonitor/kvs-kvshard-engine",
     "ServiceMonitor/kvs-kvshard-operator", "ServiceMonitor/kvs-kvshard-router", "NetworkPolicy/kvs-kvshard-engine",
-    "NetworkPolicy/kvs-kvshard-etcd", "PodDisruptionBudget/kvs-kvshard-engine",
+    "NetworkPolicy/kvs-kvshard-etcd", "NetworkPolicy/kvs-kvshard-operator", "NetworkPolicy/kvs-kvshard-router",
+    "PodDisruptionBudget/kvs-kvshard-engine",
 }) | {"PodDisruptionBudget/kvs-kvshard-etcd"}  # three etcd members: drained one at a time
 
 EXPECTED["kind"] = EXPECTED["default"] - {

@@ -258,7 +258,6 @@ def test_plot_writes_a_png_with_two_panels(tmp_path: Path) -> None:
 
 
 async def test_the_watch_follows_generations_and_says_when_the_hot_clusters_are_spread(etcd: EtcdServer) -> None:
-    from kvshard.etcd_store import EtcdStore
     from kvshard.placement_schema import Placement, WarmReport
     from kvshard_bench import demo_watch
 
@@ -266,7 +265,7 @@ async def test_the_watch_follows_generations_and_says_when_the_hot_clusters_are_
     pods = ("a", "b", "c")
     clock = [0.0]
     shard: dict[str, Any] = {"status": {"conditions": [{"type": "Rebalancing", "status": "False", "reason": "Idle"}]}}
-    async with EtcdStore([etcd.endpoint]) as store:
+    async with etcd.store() as store:
         watch = demo_watch.PlacementWatch(store, "ns", "shop", lambda: shard, lambda: clock[0])
         await watch.poll()
         assert watch.current is None and watch.samples == []

@@ -368,7 +368,7 @@ async def _read_placements(cluster: LocalCluster, items: int, seen: list[tuple[s
                            stop: threading.Event) -> None:
     """Follow ``current`` with a watch and with back-to-back reads until ``stop``; every placement
     must be whole (all ``items`` items, every cluster assigned) and every error is recorded."""
-    async with etcd_store.EtcdStore([cluster.etcd_endpoint], timeout=5.0) as store:
+    async with cluster.etcd_store(timeout=5.0) as store:
 
         def check(source: str, placement: Placement | None) -> None:
             if placement is None or len(placement.item_clusters) != items or \

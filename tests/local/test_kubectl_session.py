@@ -13,15 +13,14 @@ import yaml
 from kubectl_cli import Kubectl, KubectlUnavailableError, kubectl_binary
 from polling import wait_until
 
-from kvshard import etcd_store
 from kvshard.local import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 
-def etcd_keys(endpoint: str, name: str) -> list[str]:
+def etcd_keys(cluster: LocalCluster, name: str) -> list[str]:
     async def read() -> list[str]:
-        async with etcd_store.EtcdStore([endpoint], timeout=2, attempts=1) as store:
+        async with cluster.etcd_store(timeout=2, attempts=1) as store:
             return await store.keys("default", name)
 
     return asyncio.run(read())
@@ -69,7 +68,7 @@ def test_kubectl_session_against_the_local_cluster(small_dataset: Path, tmp_path
         assert 'The CacheShard "typo" is invalid: spec.clusters: 0 is less than the minimum of 1' in refused.stderr
 
         # delete: the operator's finalizer removes the shard's etcd keys before the object goes
-        assert etcd_keys(cluster.etcd_endpoint, "local")
+        assert etcd_keys(cluster, "local")
         kubectl("delete", "cs", "local", "--timeout=60s")
         assert "No resources found" in kubectl("get", "cs").stderr
-        assert etcd_keys(cluster.etcd_endpoint, "local") == []
+        assert etcd_keys(cluster, "local") == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -19,8 +21,10 @@ import pytest
 from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvshard.etcd_store import EtcdStore, EtcdTLSError, EtcdUnavailableError
+from kvshard.etcd_tls import EtcdTLS
 from kvshard.local import LocalCluster
-from kvshard.local.cluster import process_start_time
+from kvshard.local.cluster import ETCD_TLS_SECRET, process_start_time
 from kvshard.local.kubeapi import condition
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.processes import http_ok
@@ -94,6 +98,22 @@ def replay_against_round_robin(router_url: str, placement: Placement, reports: d
     return hits / asked, round_robin_hits / requests
 
 
+def etcd_demands_client_certificates(cluster: LocalCluster) -> None:
+    """The cluster's etcd refuses plaintext and a TLS client without a certificate; with the
+    cluster's client certificate it answers."""
+    assert cluster.etcd_tls is not None and cluster.etcd_tls.cert is not None
+
+    async def ping(tls: EtcdTLS | None) -> None:
+        async with EtcdStore([cluster.etcd_endpoint], tls=tls, timeout=3, attempts=1) as store:
+            await store.ping()
+
+    with pytest.raises(EtcdUnavailableError, match="if it serves TLS, give its CA"):
+        asyncio.run(ping(None))
+    with pytest.raises(EtcdTLSError, match="requires a client certificate"):
+        asyncio.run(ping(dataclasses.replace(cluster.etcd_tls, cert=None, key=None)))
+    asyncio.run(ping(cluster.etcd_tls))
+
+
 def test_local_cluster_places_scrapes_routes_and_restarts_pods(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     cluster = LocalCluster(pods=2, dir=run, dataset=str(small_dataset), scrape_interval_seconds=1.0,
@@ -105,8 +125,13 @@ def test_local_cluster_places_scrapes_routes_and_restarts_pods(small_dataset: Pa
         print(f"ready {time.monotonic() - started:.0f} s after start():", *lines, sep="\n  ")
         assert lines[-1].startswith("ready: generation ")
 
+        # etcd takes only TLS clients with a certificate; the operator reached it with the Secret
+        # the CacheShard names, router and sidecars with the files their flags name
+        etcd_demands_client_certificates(cluster)
+
         # the operator placed the catalog on both pods
         shard = cluster.cacheshard()
+        assert shard["spec"]["etcd"]["tls"] == {"secretRef": {"name": ETCD_TLS_SECRET}}
         assert condition(shard, "Ready")["status"] == "True"
         assert (shard["status"]["pods"], shard["status"]["clusters"], shard["status"]["itemsPlaced"]) == (2, 8, 48)
         placement, reports = cluster.warm_reports()
@@ -171,6 +196,8 @@ def test_up_and_down_run_and_stop_the_cluster_as_commands(small_dataset: Path, t
         state = wait_until(lambda: state_file.exists() and (s := json.loads(state_file.read_text()))["processes"]
                            and s, timeout=180, what="cluster.json with processes")
         assert state["up_pid"] == up.pid
+        assert set(state["etcd_tls"]) == {"ca", "cert", "key"}
+        assert all(Path(p).exists() for p in state["etcd_tls"].values())
         wait_until(lambda: http_ok(state["urls"]["router"] + "/readyz"), timeout=120, what="router ready")
         assert {p["name"] for p in state["processes"]} >= {"etcd", "kube-api", "operator", "engine-0", "router"}
         table = (tmp_path / "up.log").read_text()

@@ -52,6 +52,25 @@ def test_a_users_cacheshard_keeps_its_own_spec_but_uses_the_local_servers(tmp_pa
         manifests.load_cacheshard(tmp_path / "nope.yaml")
 
 
+def test_the_local_cacheshard_reaches_the_local_etcd_over_tls_with_the_local_secret(tmp_path: Path) -> None:
+    from kvshard_operator.validation import violations
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(yaml.safe_dump({"apiVersion": "kvshard.io/v1alpha1", "kind": "CacheShard",
+                                    "metadata": {"name": "mine"},
+                                    "spec": {"etcd": {"endpoints": ["far:2379"],
+                                                      "tls": {"secretRef": {"name": "far-ca"}, "serverName": "far"}}}}))
+    obj = manifests.local_cacheshard(manifests.load_cacheshard(mine), namespace="default", etcd_endpoint="near:1",
+                                     prometheus_url="http://near:2", generated=False, etcd_tls_secret="local-tls")
+    assert obj["spec"]["etcd"] == {"endpoints": ["near:1"], "tls": {"secretRef": {"name": "local-tls"}}}
+    plain = manifests.local_cacheshard(manifests.load_cacheshard(mine), namespace="default", etcd_endpoint="near:1",
+                                       prometheus_url="http://near:2", generated=False)
+    assert plain["spec"]["etcd"] == {"endpoints": ["near:1"]}, "their etcd's TLS is not the local etcd's"
+    generated = manifests.local_cacheshard(manifests.load_cacheshard(), namespace="default", etcd_endpoint="e:1",
+                                           prometheus_url="http://p:1", generated=True, etcd_tls_secret="local-tls")
+    assert violations(generated) == []
+
+
 def test_prometheus_config_labels_sidecars_by_pod_and_passes_promtool(tmp_path: Path) -> None:
     config = manifests.prometheus_config(scrape_interval_seconds=2, sidecars={"engine-1": "h:2", "engine-0": "h:1"},
                                          router="h:3", operator="h:4")

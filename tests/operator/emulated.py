@@ -5,6 +5,7 @@ synchronous while KopfRunner runs the operator in another, and object helpers ov
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import threading
@@ -14,10 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from kvshard.local.apiserver import LocalKubeApi
+from kvshard.testing_servers import EtcdServer
 
 CACHESHARDS = "/apis/kvshard.io/v1alpha1/namespaces/{ns}/cacheshards"
 PODS = "/api/v1/namespaces/{ns}/pods"
 CONFIGMAPS = "/api/v1/namespaces/{ns}/configmaps"
+SECRETS = "/api/v1/namespaces/{ns}/secrets"
+ETCD_TLS_SECRET = "etcd-client-tls"
+
+
+def etcd_spec(etcd: EtcdServer) -> dict[str, Any]:
+    """``spec.etcd`` for the test etcd: its endpoint, over TLS with the client certificate in the
+    Secret :data:`ETCD_TLS_SECRET` (:meth:`EmulatedCluster.trust_etcd` creates it)."""
+    return {"endpoints": [etcd.endpoint], "tls": {"secretRef": {"name": ETCD_TLS_SECRET}}}
 
 
 class EmulatedCluster:
@@ -124,9 +134,23 @@ class EmulatedCluster:
     def delete_pod(self, name: str, ns: str = "default") -> None:
         self.request("DELETE", PODS.format(ns=ns) + f"/{name}")
 
+    def create_secret(self, name: str, data: dict[str, bytes], ns: str = "default") -> None:
+        self.request("POST", SECRETS.format(ns=ns), {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": ns},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()}})
+
+    def trust_etcd(self, etcd: EtcdServer, ns: str = "default") -> None:
+        """The Secret :func:`etcd_spec` names: the test etcd's CA and client certificate."""
+        self.create_secret(ETCD_TLS_SECRET, etcd.tls_secret_data(), ns)
+
     def create_configmap(self, name: str, data: dict[str, str], ns: str = "default") -> None:
         self.request("POST", CONFIGMAPS.format(ns=ns), {
             "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns}, "data": data})
+
+
+def edit_configmap(cluster: EmulatedCluster, name: str, data: dict[str, str], ns: str = "default") -> None:
+    """What ``kubectl edit cm`` does: replace the ConfigMap's data (a merge patch)."""
+    cluster.request("PATCH", CONFIGMAPS.format(ns=ns) + f"/{name}", {"data": data})
 
 
 def condition(obj: Any, type_: str) -> dict[str, Any]:

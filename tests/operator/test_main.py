@@ -8,7 +8,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from emulated import EmulatedCluster, condition
+from emulated import EmulatedCluster, condition, etcd_spec
 from polling import wait_until
 
 from kvshard.testing_servers import EtcdServer, free_port
@@ -28,6 +28,7 @@ def test_operator_run_serves_liveness_and_places_shards(cluster: EmulatedCluster
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(operator_main.main(args, stop_flag=stop)), daemon=True)
     cluster.create_pod("engine-0", {"app": "engine"})
+    cluster.trust_etcd(etcd)
     thread.start()
     try:
         def alive() -> bool:
@@ -42,7 +43,7 @@ def test_operator_run_serves_liveness_and_places_shards(cluster: EmulatedCluster
             "apiVersion": "kvshard.io/v1alpha1", "kind": "CacheShard", "metadata": {"name": "via-main"},
             "spec": {"model": {"name": "m"}, "catalog": {"file": {"path": str(catalog_file)}}, "clusters": 4,
                      "podSelector": {"matchLabels": {"app": "engine"}}, "capacityPerPod": "1Gi",
-                     "etcd": {"endpoints": [etcd.endpoint]}},
+                     "etcd": etcd_spec(etcd)},
         })
         obj = wait_until(lambda: condition(cluster.shard("via-main"), "Ready").get("status") == "True"
                          and cluster.shard("via-main"), what="Ready via operator run")

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from emulated import EmulatedCluster, condition
+from emulated import EmulatedCluster, condition, etcd_spec
 from kopf.testing import KopfRunner
 from polling import wait_until
 
-from kvshard import etcd_store
 from kvshard import placement_schema as ps
 from kvshard.testing_servers import EtcdServer
 from kvshard_operator import placement
@@ -31,7 +30,7 @@ def shard(name: str, etcd: EtcdServer, catalog: Path, *, clusters: int = 8, **ex
         "clusters": clusters,
         "podSelector": {"matchLabels": LABELS},
         "capacityPerPod": "8Gi",
-        "etcd": {"endpoints": [etcd.endpoint]},
+        "etcd": etcd_spec(etcd),
     }
     spec.update(extra)
     return {"apiVersion": "kvshard.io/v1alpha1", "kind": "CacheShard", "metadata": {"name": name}, "spec": spec}
@@ -39,7 +38,7 @@ def shard(name: str, etcd: EtcdServer, catalog: Path, *, clusters: int = 8, **ex
 
 def etcd_call(etcd: EtcdServer, fn: Any) -> Any:
     async def run() -> Any:
-        async with etcd_store.EtcdStore([etcd.endpoint], timeout=2, attempts=1) as store:
+        async with etcd.store(timeout=2, attempts=1) as store:
             return await fn(store)
 
     return asyncio.run(run())
@@ -69,6 +68,7 @@ def items_moved(before: ps.Placement, after: ps.Placement) -> int:
 
 def test_cacheshard_lifecycle_follows_spec_and_pods(cluster: EmulatedCluster, etcd: EtcdServer,
                                                     catalog_file: Path) -> None:
+    cluster.trust_etcd(etcd)
     for i in range(3):
         cluster.create_pod(f"engine-{i}", LABELS)
     cluster.create_pod("unrelated", {"app": "other"})
@@ -122,6 +122,7 @@ def test_cacheshard_lifecycle_follows_spec_and_pods(cluster: EmulatedCluster, et
 def test_user_errors_become_conditions_and_other_shards_keep_working(
     cluster: EmulatedCluster, etcd: EtcdServer, catalog_file: Path, tmp_path: Path
 ) -> None:
+    cluster.trust_etcd(etcd)
     cluster.create_pod("engine-0", LABELS)
     with operator():
         cluster.create_shard(shard("missing-catalog", etcd, tmp_path / "nope.jsonl"))
@@ -158,6 +159,7 @@ def test_user_errors_become_conditions_and_other_shards_keep_working(
 def test_etcd_outage_degrades_then_recovers_without_half_published_generations(
     cluster: EmulatedCluster, etcd: EtcdServer, catalog_file: Path
 ) -> None:
+    cluster.trust_etcd(etcd)
     cluster.create_pod("engine-0", LABELS)
     with operator():
         cluster.create_shard(shard("items", etcd, catalog_file))
@@ -188,6 +190,7 @@ def test_etcd_outage_degrades_then_recovers_without_half_published_generations(
 
 def test_restarted_operator_resumes_without_publishing_again(cluster: EmulatedCluster, etcd: EtcdServer,
                                                              catalog_file: Path) -> None:
+    cluster.trust_etcd(etcd)
     cluster.create_pod("engine-0", LABELS)
     with operator():
         cluster.create_shard(shard("items", etcd, catalog_file))
@@ -202,6 +205,7 @@ def test_restarted_operator_resumes_without_publishing_again(cluster: EmulatedCl
 def test_operator_metrics_use_the_component_prefix_and_count_placements(
     cluster: EmulatedCluster, etcd: EtcdServer, catalog_file: Path
 ) -> None:
+    cluster.trust_etcd(etcd)
     from prometheus_client import REGISTRY
 
     def created() -> float:
@@ -240,6 +244,7 @@ def report_warm(etcd: EtcdServer, pod: str, placement_: ps.Placement, clusters: 
 
 def test_warm_condition_follows_the_pods_warm_reports(cluster: EmulatedCluster, etcd: EtcdServer,
                                                       catalog_file: Path) -> None:
+    cluster.trust_etcd(etcd)
     for i in range(2):
         cluster.create_pod(f"engine-{i}", LABELS)
     with operator():

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import etcd3aio
 import pytest
-from emulated import EmulatedCluster, condition
+from emulated import ETCD_TLS_SECRET, EmulatedCluster, condition, etcd_spec
 from kopf.testing import KopfRunner
 from polling import wait_until
 from traffic import Traffic, running_prometheus, wait_scraped
@@ -52,6 +52,16 @@ def prometheus(traffic: Traffic, tmp_path_factory: pytest.TempPathFactory) -> It
         yield server
 
 
+def tls_secret(etcd: EtcdServer) -> Callable[[str, str], dict[str, bytes]]:
+    """A Secret reader that knows one Secret: the test etcd's client certificate."""
+
+    def read(namespace: str, name: str) -> dict[str, bytes]:
+        assert (namespace, name) == (NS, ETCD_TLS_SECRET), (namespace, name)
+        return etcd.tls_secret_data()
+
+    return read
+
+
 def spec(etcd: EtcdServer, prometheus_url: str, **rebalance: Any) -> dict[str, Any]:
     return {
         "model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct"},
@@ -59,7 +69,7 @@ def spec(etcd: EtcdServer, prometheus_url: str, **rebalance: Any) -> dict[str, A
         "clusters": 6,
         "podSelector": {"matchLabels": {"app": "engine"}},
         "capacityPerPod": "8Gi",
-        "etcd": {"endpoints": [etcd.endpoint]},
+        "etcd": etcd_spec(etcd),
         "prometheus": {"url": prometheus_url},
         "rebalance": {"enabled": True, "intervalSeconds": 10, **rebalance},
     }
@@ -73,7 +83,7 @@ async def seed(etcd: EtcdServer, name: str, assignment: dict[int, tuple[str, ...
     """Generation 1 as reconcile would publish it, and every pod warm for what it holds."""
     first = ps.Placement(1, assignment, {f"item-{i}": i % 6 for i in range(30)}, pods=PODS,
                          model="HuggingFaceTB/SmolLM2-135M-Instruct", history_policy="ReplicateAll")
-    async with etcd_store.EtcdStore([etcd.endpoint]) as store:
+    async with etcd.store() as store:
         await store.publish(NS, name, first, expected=0)
         for pod in PODS:
             await store.put_warm(NS, name, pod, ps.WarmReport(1, tuple(first.clusters_of(pod))))
@@ -83,13 +93,14 @@ async def seed(etcd: EtcdServer, name: str, assignment: dict[int, tuple[str, ...
 async def step(etcd: EtcdServer, name: str, state: ShardState, prometheus_url: str,
                status: dict[str, Any] | None = None, **rebalance: Any) -> RebalanceOutcome:
     outcome = await rebalance_shard(namespace=NS, name=name, spec=spec(etcd, prometheus_url, **rebalance),
-                                    status=status or {}, generation=1, settings=SETTINGS, state=state, logger=LOG)
+                                    status=status or {}, generation=1, settings=SETTINGS, state=state, logger=LOG,
+                                    read_secret=tls_secret(etcd))
     assert outcome is not None
     return outcome
 
 
 async def current(etcd: EtcdServer, name: str) -> ps.Placement:
-    async with etcd_store.EtcdStore([etcd.endpoint]) as store:
+    async with etcd.store() as store:
         placement = await store.read_current(NS, name)
     assert placement is not None
     return placement
@@ -119,13 +130,13 @@ async def test_hot_cluster_is_replicated_within_the_move_budget_until_balanced(
 
     # the heat snapshot it decided on is stored under heat/, leased for ~10 intervals
     assert outcome.heat_key is not None and outcome.heat_key.startswith(etcd_store.heat_prefix(NS, "skewed"))
-    async with etcd_store.EtcdStore([etcd_server.endpoint]) as store:
+    async with etcd_server.store() as store:
         [(_, heat)] = await store.read_heat(NS, "skewed")
     assert heat["generation"] == 1
     assert heat["cluster_rates"]["0"] == pytest.approx(60, rel=0.3)
     assert heat["pod_load"]["engine-a"] == pytest.approx(66, rel=0.3)
     assert heat["pod_hit_ratio"]["engine-b"] == pytest.approx(0.8, abs=0.05)
-    client = etcd3aio.Etcd3Client([etcd_server.endpoint])
+    client = etcd3aio.Etcd3Client([etcd_server.endpoint], **etcd_server.client_args())
     await client.connect()
     try:
         assert client.kv is not None and client.lease is not None
@@ -167,7 +178,7 @@ async def test_prometheus_down_publishes_nothing(etcd_server: EtcdServer) -> Non
     assert "lastRebalanceTime" not in outcome.status  # no interval was evaluated
     assert state.rebalanced_at is not None  # but the next attempt waits for the next interval
     assert (await current(etcd_server, "no-prometheus")).generation == 1
-    async with etcd_store.EtcdStore([etcd_server.endpoint]) as store:
+    async with etcd_server.store() as store:
         assert await store.read_heat(NS, "no-prometheus") == []
 
 
@@ -189,7 +200,7 @@ async def test_no_metrics_yet_is_no_traffic_not_cold_clusters(etcd_server: EtcdS
     assert (outcome.reason, outcome.published) == ("NoTraffic", None)
     assert rebalancing(outcome)["reason"] == "NoTraffic"
     assert (await current(etcd_server, "quiet")).assignment[0] == ("engine-a", "engine-b")
-    async with etcd_store.EtcdStore([etcd_server.endpoint]) as store:
+    async with etcd_server.store() as store:
         [(_, heat)] = await store.read_heat(NS, "quiet")
     assert heat["cluster_rates"] == {} and heat["generation"] == 1
 
@@ -205,13 +216,14 @@ async def test_reconciles_after_pod_changes_keep_the_hot_replicas(
     async def place(pods: tuple[str, ...], trigger: str) -> int | None:
         views = [PodView(p, {"app": "engine"}, True) for p in pods]
         outcome = await reconcile(namespace=NS, name="interplay", spec=shard, status={}, generation=1, pods=views,
-                                  settings=SETTINGS, state=state, trigger=trigger, logger=LOG)
+                                  settings=SETTINGS, state=state, trigger=trigger, logger=LOG,
+                                  read_secret=tls_secret(etcd_server))
         assert outcome.reason == "Published", outcome.status
         return outcome.published
 
     assert await place(PODS, "created") == 1
     outcome = await rebalance_shard(namespace=NS, name="interplay", spec=shard, status={}, generation=1,
-                                    settings=SETTINGS, state=state, logger=LOG)
+                                    settings=SETTINGS, state=state, logger=LOG, read_secret=tls_secret(etcd_server))
     assert outcome is not None and outcome.reason == "Rebalanced"
     rebalanced = await current(etcd_server, "interplay")
     hot = rebalanced.assignment[0]
@@ -237,6 +249,7 @@ def test_operator_rebalances_a_hot_cacheshard(
 ) -> None:
     for pod in PODS:
         cluster.create_pod(pod, {"app": "engine"})
+    cluster.trust_etcd(etcd_server)
     body = {"apiVersion": "kvshard.io/v1alpha1", "kind": "CacheShard", "metadata": {"name": "hot"},
             "spec": spec(etcd_server, prometheus.url)}
     body["spec"]["catalog"] = {"file": {"path": str(catalog_file)}}

@@ -29,7 +29,7 @@ def placement(generation: int, items: int = 20) -> ps.Placement:
 
 @pytest.fixture
 async def store(etcd_server: EtcdServer) -> AsyncIterator[etcd_store.EtcdStore]:
-    async with etcd_store.EtcdStore([etcd_server.endpoint], timeout=3) as s:
+    async with etcd_server.store(timeout=3) as s:
         yield s
 
 
@@ -86,7 +86,7 @@ async def test_two_writers_racing_with_large_generations_leave_one_whole_winner(
     await store.publish(*shard, placement(1), expected=0)
     ours = placement(2, items=120_000)
     theirs = dataclasses.replace(ours, assignment={0: ("pod-b",), 1: ("pod-a",), 2: ("pod-b",)})
-    async with etcd_store.EtcdStore([etcd_server.endpoint], timeout=10) as other:
+    async with etcd_server.store(timeout=10) as other:
         results = await asyncio.gather(store.publish(*shard, ours, expected=1),
                                        other.publish(*shard, theirs, expected=1), return_exceptions=True)
     conflicts = [r for r in results if isinstance(r, etcd_store.GenerationConflictError)]
@@ -137,7 +137,7 @@ async def test_a_generation_read_at_a_compacted_revision_is_read_as_it_is_now(
     import etcd3aio
 
     await store.publish(*shard, placement(1), expected=0)
-    async with etcd3aio.Etcd3Client([etcd_server.endpoint]) as admin:
+    async with etcd3aio.Etcd3Client([etcd_server.endpoint], **etcd_server.client_args()) as admin:
         assert admin.kv is not None
         then = (await admin.kv.get("any")).header.revision
         await store.publish(*shard, placement(2), expected=1)
@@ -193,7 +193,7 @@ async def test_delete_all_removes_every_key_of_one_shard_only(
 
 async def test_etcd_down_is_a_typed_error_and_current_stays_complete(tmp_path: object) -> None:
     with EtcdServer() as server:
-        async with etcd_store.EtcdStore([server.endpoint], timeout=1, attempts=1) as store:
+        async with server.store(timeout=1, attempts=1) as store:
             await store.publish("ns", "x", placement(1), expected=0)
             server.stop()
             with pytest.raises(etcd_store.EtcdUnavailableError):
@@ -208,7 +208,7 @@ async def test_a_store_opened_after_an_outage_reads_at_once_while_another_store_
     # must not hand its reconnect backoff to a store opened once etcd is back (the rebalancer opens one
     # per interval).
     with EtcdServer() as server:
-        async with etcd_store.EtcdStore([server.endpoint], timeout=1, attempts=1) as long_lived:
+        async with server.store(timeout=1, attempts=1) as long_lived:
             await long_lived.publish("ns", "outage", placement(1), expected=0)
             server.stop()
             for _ in range(20):
@@ -216,7 +216,7 @@ async def test_a_store_opened_after_an_outage_reads_at_once_while_another_store_
                     await long_lived.read_current("ns", "outage")
                 await asyncio.sleep(0.3)
             server.start()
-            async with etcd_store.EtcdStore([server.endpoint], timeout=1, attempts=1) as fresh:
+            async with server.store(timeout=1, attempts=1) as fresh:
                 assert await fresh.current_generation("ns", "outage") == 1
             await etcd_store.wait_for(long_lived, timeout=5)
             assert await long_lived.current_generation("ns", "outage") == 1
@@ -226,19 +226,19 @@ async def test_store_authenticates_with_username_and_password() -> None:
     import etcd3aio
 
     with EtcdServer() as server:
-        async with etcd3aio.Etcd3Client([server.endpoint]) as admin:
+        async with etcd3aio.Etcd3Client([server.endpoint], **server.client_args()) as admin:
             assert admin.auth is not None
             await admin.auth.user_add("root", "rootpw")
             await admin.auth.user_grant_role("root", "root")
             await admin.auth.auth_enable()
-        async with etcd_store.EtcdStore([server.endpoint], username="root", password="rootpw", timeout=3) as store:
+        async with server.store(username="root", password="rootpw", timeout=3) as store:
             await store.publish("ns", "secured", placement(1), expected=0)
             assert await store.current_generation("ns", "secured") == 1
-        async with etcd_store.EtcdStore([server.endpoint], timeout=3) as anonymous:
+        async with server.store(timeout=3) as anonymous:
             with pytest.raises(etcd_store.EtcdAuthError):
                 await anonymous.current_generation("ns", "secured")
         with pytest.raises(etcd_store.EtcdAuthError):
-            async with etcd_store.EtcdStore([server.endpoint], username="root", password="wrong", timeout=3):
+            async with server.store(username="root", password="wrong", timeout=3):
                 pass
 
 
@@ -247,13 +247,13 @@ def test_each_etcd_server_has_its_own_port_and_data_that_survive_a_restart() -> 
         assert a.endpoint != b.endpoint and a.data_dir != b.data_dir
 
         async def write_then_read(server: EtcdServer, restart: bool) -> int:
-            async with etcd_store.EtcdStore([server.endpoint], timeout=3) as s:
+            async with server.store(timeout=3) as s:
                 await s.publish("ns", "kept", placement(1), expected=0)
             if restart:
                 server.stop()
                 assert not server.running
                 server.start()
-            async with etcd_store.EtcdStore([server.endpoint], timeout=3) as s:
+            async with server.store(timeout=3) as s:
                 return await s.current_generation("ns", "kept")
 
         assert asyncio.run(write_then_read(a, restart=True)) == 1

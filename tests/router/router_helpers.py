@@ -21,7 +21,7 @@ from aiohttp import web
 
 from kvshard.etcd_store import EtcdStore, EtcdUnavailableError
 from kvshard.placement_schema import Placement, WarmReport
-from kvshard.testing_servers import free_port
+from kvshard.testing_servers import EtcdServer, free_port
 from kvshard_router.app import ROUTER_APP, RouterApp, build_app
 from kvshard_router.settings import RouterSettings
 
@@ -69,11 +69,15 @@ class FakePod:
 
 
 @asynccontextmanager
-async def running_router(endpoint: str, shard: str, **options: Any) -> AsyncIterator[tuple[str, RouterApp]]:
-    """The router app on a free port, following ``shard`` in the etcd at ``endpoint``."""
-    settings = RouterSettings(port=free_port(), etcd_endpoints=(endpoint,), cacheshard=shard,
-                              **{"health_interval_seconds": 0.2, **options})
-    app = build_app(settings, EtcdStore([endpoint]))
+async def running_router(etcd: EtcdServer, shard: str, **options: Any) -> AsyncIterator[tuple[str, RouterApp]]:
+    """The router app on a free port, following ``shard`` in ``etcd`` with its client certificate
+    (given as the router's TLS file settings, as in a pod)."""
+    certs = etcd.certificates
+    tls_files = {} if certs is None else {"etcd_ca_file": certs.ca, "etcd_cert_file": certs.client_cert,
+                                          "etcd_key_file": certs.client_key}
+    settings = RouterSettings(port=free_port(), etcd_endpoints=(etcd.endpoint,), cacheshard=shard,
+                              **{"health_interval_seconds": 0.2, **tls_files, **options})
+    app = build_app(settings, EtcdStore([etcd.endpoint], tls=settings.etcd_tls()))
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", settings.port).start()
@@ -83,7 +87,7 @@ async def running_router(endpoint: str, shard: str, **options: Any) -> AsyncIter
         await runner.cleanup()
 
 
-async def publish(endpoint: str, shard: str, placement: Placement, reports: dict[str, WarmReport],
+async def publish(etcd: EtcdServer, shard: str, placement: Placement, reports: dict[str, WarmReport],
                   timeout: float = 15.0) -> None:
     """Write ``placement`` as the next generation and put every pod's warm report (retrying while a
     just restarted etcd is still refused: gRPC shares its backed-off connection between clients)."""
@@ -91,7 +95,7 @@ async def publish(endpoint: str, shard: str, placement: Placement, reports: dict
     deadline = time.monotonic() + timeout
     while True:
         try:
-            async with EtcdStore([endpoint]) as store:
+            async with etcd.store() as store:
                 current = await store.current_generation(namespace, name)
                 if current < placement.generation:
                     await store.publish(namespace, name, placement, expected=current)

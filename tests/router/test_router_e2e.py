@@ -67,7 +67,7 @@ def test_the_router_process_in_front_of_two_real_sidecars(
     router_url = f"http://127.0.0.1:{router_port}"
     router = ManagedProcess(
         [sys.executable, "-m", "kvshard.cli", "router", "serve", "--port", str(router_port),
-         "--etcd-endpoints", etcd_server.endpoint, "--cacheshard", shard,
+         "--etcd-endpoints", etcd_server.endpoint, *etcd_server.client_flags(), "--cacheshard", shard,
          "--health-interval-seconds", "0.5"],
         tmp_path / "router.log", f"{router_url}/healthz")
     processes.extend([pod_a, pod_b, router])
@@ -81,7 +81,7 @@ def test_the_router_process_in_front_of_two_real_sidecars(
     ids = list(movielens.items)
     half = {item: 0 if i < len(ids) // 2 else 1 for i, item in enumerate(ids)}
     cluster = {0: [i for i in ids if half[i] == 0], 1: [i for i in ids if half[i] == 1]}
-    asyncio.run(publish(etcd_server.endpoint, shard,
+    asyncio.run(publish(etcd_server, shard,
                         Placement(1, {0: ("pod-a",), 1: ("pod-b",)}, half, pods=("pod-a", "pod-b")),
                         {"pod-a": WarmReport(1, (0,), url=url_a), "pod-b": WarmReport(1, (1,), url=url_b)}))
     deadline = time.monotonic() + 15

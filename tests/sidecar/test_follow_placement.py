@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,7 +43,7 @@ def placement(generation: int, mine: dict[str, tuple[int, ...]]) -> Placement:
 
 def etcd_call(server: EtcdServer, action: Callable[[EtcdStore], Any]) -> Any:
     async def run() -> Any:
-        async with EtcdStore([server.endpoint], timeout=3) as store:
+        async with server.store(timeout=3) as store:
             return await action(store)
     return asyncio.run(run())
 
@@ -84,7 +85,7 @@ def recommend(sidecar: Sidecar, candidates: list[str], history: list[str] | None
 
 
 def follow_flags(server: EtcdServer) -> tuple[str, ...]:
-    return ("--etcd-endpoints", server.endpoint, "--cacheshard", f"{NAMESPACE}/{SHARD}")
+    return ("--etcd-endpoints", server.endpoint, *server.client_flags(), "--cacheshard", f"{NAMESPACE}/{SHARD}")
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +194,8 @@ def test_holders_know_nobody_before_placement_and_skip_pods_without_a_url() -> N
     ({"etcd_endpoints": ("http://127.0.0.1",), "cacheshard": "recs/movielens"}, "etcd_endpoints"),
     ({"advertise_url": "10.0.0.7:8100"}, "advertise_url"),
     ({"warm_history_users": -1}, "warm_history_users"),
+    ({"etcd_cert_file": Path("c.crt"), "etcd_key_file": Path("c.key")}, "KVSHARD_SIDECAR_ETCD_CA_FILE.*without the CA"),
+    ({"etcd_ca_file": Path("ca.crt"), "etcd_key_file": Path("c.key")}, "come together"),
 ])
 def test_following_settings_are_checked_with_a_message_naming_the_setting(values: dict[str, Any],
                                                                         field: str) -> None:
@@ -208,3 +211,13 @@ def test_following_settings_come_from_the_environment_and_default_the_url() -> N
     assert settings.shard == ("recs", "movielens") and settings.etcd_password == "pw"
     assert settings.url == "http://127.0.0.1:8100"
     assert SidecarSettings(advertise_url="http://10.0.0.7:8100/").url == "http://10.0.0.7:8100"
+
+
+def test_sidecar_serve_stops_at_an_etcd_ca_file_it_cannot_read(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from kvshard.cli import main
+
+    code = main(["sidecar", "serve", "--etcd-endpoints", "127.0.0.1:2379", "--cacheshard", "recs/movielens",
+                 "--etcd-ca-file", str(tmp_path / "missing.crt")])
+    assert code == 2
+    assert f"cannot read the etcd CA file {tmp_path / 'missing.crt'}" in capsys.readouterr().err

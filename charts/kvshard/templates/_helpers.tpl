@@ -100,8 +100,9 @@ One name for the example, the router and the sidecars, so they can never follow 
 {{- end }}
 
 {{/*
-etcd env of a kvshard component: endpoints, the followed CacheShard and, for an external etcd
-with etcd.external.secretName, username and password from that Secret (never in the pod spec).
+etcd env of a kvshard component: endpoints, the followed CacheShard, the TLS files of the mounted
+client Secret (kvshard.etcdClientVolume) and, for an external etcd with etcd.external.secretName,
+username and password from that Secret (never in the pod spec).
 Call with (dict "ctx" $ "prefix" "KVSHARD_ROUTER_"); renders list items at column 0.
 */}}
 {{- define "kvshard.etcdEnv" -}}
@@ -110,6 +111,18 @@ Call with (dict "ctx" $ "prefix" "KVSHARD_ROUTER_"); renders list items at colum
   value: {{ include "kvshard.etcdEndpoints" .ctx | fromYamlArray | join "," | quote }}
 - name: {{ .prefix }}CACHESHARD
   value: {{ include "kvshard.cacheShard" .ctx | quote }}
+{{- if include "kvshard.etcdTLS" .ctx }}
+- name: {{ .prefix }}ETCD_CA_FILE
+  value: {{ include "kvshard.etcdClientDir" . }}/ca.crt
+- name: {{ .prefix }}ETCD_CERT_FILE
+  value: {{ include "kvshard.etcdClientDir" . }}/tls.crt
+- name: {{ .prefix }}ETCD_KEY_FILE
+  value: {{ include "kvshard.etcdClientDir" . }}/tls.key
+{{- if $v.etcd.tls.serverName }}
+- name: {{ .prefix }}ETCD_SERVER_NAME
+  value: {{ $v.etcd.tls.serverName | quote }}
+{{- end }}
+{{- end }}
 {{- if and $v.etcd.external.enabled $v.etcd.external.secretName }}
 - name: {{ .prefix }}ETCD_USERNAME
   valueFrom:
@@ -121,6 +134,119 @@ Call with (dict "ctx" $ "prefix" "KVSHARD_ROUTER_"); renders list items at colum
     secretKeyRef:
       name: {{ $v.etcd.external.secretName }}
       key: password
+{{- end }}
+{{- end }}
+
+{{/* Whether components talk TLS to etcd: always to the bundled one, to an external one with etcd.external.tls.enabled. */}}
+{{- define "kvshard.etcdTLS" -}}
+{{- if or (not .Values.etcd.external.enabled) .Values.etcd.external.tls.enabled }}true{{ end }}
+{{- end }}
+
+{{/* Where router and sidecars mount the etcd client Secret. */}}
+{{- define "kvshard.etcdClientDir" -}}
+/var/run/secrets/kvshard/etcd-client
+{{- end }}
+
+{{/*
+The Secret with etcd's TLS material for one role: server, peer or client (etcd.tls.<role>Secret, else
+<fullname>-etcd-<role>). Call with (dict "ctx" $ "role" "client").
+*/}}
+{{- define "kvshard.etcdSecretName" -}}
+{{- default (include "kvshard.componentName" (dict "ctx" .ctx "component" (printf "etcd-%s" .role))) (get .ctx.Values.etcd.tls (printf "%sSecret" .role)) }}
+{{- end }}
+
+{{/*
+Whether the chart asks cert-manager for the etcd certificate of a role: the server and peer ones for
+the bundled etcd, the client one too, or for an external TLS etcd when certManager.issuerRef names an
+issuer that etcd trusts. Call with (dict "ctx" $ "role" "client"); renders "true" or nothing.
+*/}}
+{{- define "kvshard.etcdCertificate" -}}
+{{- $v := .ctx.Values }}
+{{- if $v.certManager.enabled }}
+{{- if not $v.etcd.external.enabled }}true
+{{- else if and (eq .role "client") $v.etcd.external.tls.enabled $v.certManager.issuerRef.name }}true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Whether the chart makes its own CA with cert-manager (no issuerRef.name, bundled etcd). */}}
+{{- define "kvshard.etcdOwnCA" -}}
+{{- if and .Values.certManager.enabled (not .Values.certManager.issuerRef.name) (not .Values.etcd.external.enabled) }}true{{ end }}
+{{- end }}
+
+{{/* The issuerRef of etcd's server, peer and client Certificates. */}}
+{{- define "kvshard.etcdIssuerRef" -}}
+{{- if .Values.certManager.issuerRef.name }}
+{{- toYaml .Values.certManager.issuerRef }}
+{{- else }}
+name: {{ include "kvshard.componentName" (dict "ctx" . "component" "etcd-ca") }}
+kind: Issuer
+group: cert-manager.io
+{{- end }}
+{{- end }}
+
+{{/* The etcd client Secret as a pod volume (list item at column 0), when components talk TLS to etcd. */}}
+{{- define "kvshard.etcdClientVolume" -}}
+{{- if include "kvshard.etcdTLS" . }}
+- name: etcd-client-tls
+  secret:
+    secretName: {{ include "kvshard.etcdSecretName" (dict "ctx" . "role" "client") }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{/* Its mount (list item at column 0). */}}
+{{- define "kvshard.etcdClientVolumeMount" -}}
+{{- if include "kvshard.etcdTLS" . }}
+- name: etcd-client-tls
+  mountPath: {{ include "kvshard.etcdClientDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* NetworkPolicy egress rule to the cluster DNS (list item at column 0). */}}
+{{- define "kvshard.dnsEgress" -}}
+# DNS: etcd, Prometheus and pod names are resolved.
+- to:
+    - namespaceSelector:
+        {{- toYaml .Values.networkPolicy.dns.namespaceSelector | nindent 8 }}
+      podSelector:
+        {{- toYaml .Values.networkPolicy.dns.podSelector | nindent 8 }}
+  ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+{{- end }}
+
+{{/*
+NetworkPolicy egress rule to etcd's client port (list item at column 0): the bundled etcd's pods,
+or the external endpoints' ports (to networkPolicy.externalEtcdPeers, else anywhere).
+*/}}
+{{- define "kvshard.etcdEgress" -}}
+# etcd: placement generations and warm reports.
+{{- if .Values.etcd.external.enabled }}
+{{- $ports := dict }}
+{{- range .Values.etcd.external.endpoints }}
+{{- $_ := set $ports (regexReplaceAll "^.*:" . "") true }}
+{{- end }}
+- ports:
+    {{- range $port, $_ := $ports }}
+    - port: {{ int $port }}
+      protocol: TCP
+    {{- end }}
+  {{- with .Values.networkPolicy.externalEtcdPeers }}
+  to:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- else }}
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "kvshard.selectorLabels" (dict "ctx" . "component" "etcd") | nindent 10 }}
+  ports:
+    - port: {{ .Values.etcd.clientPort }}
+      protocol: TCP
 {{- end }}
 {{- end }}
 
@@ -179,7 +305,8 @@ the ClusterRole (every namespace) or by one Role per watched namespace.
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get]
-# spec.etcd.secretRef: etcd username and password, read by name.
+# spec.etcd.secretRef (etcd username and password) and spec.etcd.tls.secretRef (etcd's CA and the
+# client certificate), read by name.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
@@ -187,4 +314,43 @@ the ClusterRole (every namespace) or by one Role per watched namespace.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- end }}
+
+{{/*
+The PromQL the engine autoscaler scales on: every engine pod's pressure averaged over the window,
+summed. Keep in step with kvshard.autoscaling.pressure_query (tests/chart checks they are equal).
+*/}}
+{{- define "kvshard.pressureQuery" -}}
+{{- $sts := include "kvshard.componentName" (dict "ctx" . "component" "engine") -}}
+{{- printf "sum(avg_over_time(kvshard_sidecar_pressure{namespace=%q,pod=~\"%s-[0-9]+\"}[%s]))" .Release.Namespace $sts .Values.autoscaling.pressureWindow -}}
+{{- end }}
+
+{{/*
+The HPA behavior of the engine autoscaler (the HPA's own, KEDA's generated one, the local loop's).
+*/}}
+{{- define "kvshard.autoscalingBehavior" -}}
+{{- $b := .Values.autoscaling.behavior -}}
+scaleUp:
+  stabilizationWindowSeconds: {{ $b.scaleUp.stabilizationWindowSeconds }}
+  policies:
+    - type: Pods
+      value: {{ $b.scaleUp.pods }}
+      periodSeconds: {{ $b.scaleUp.periodSeconds }}
+scaleDown:
+  stabilizationWindowSeconds: {{ $b.scaleDown.stabilizationWindowSeconds }}
+  policies:
+    - type: Pods
+      value: {{ $b.scaleDown.pods }}
+      periodSeconds: {{ $b.scaleDown.periodSeconds }}
+{{- end }}
+
+{{/*
+The engine containers' preStop command: ask the sidecar on loopback to drain and wait for it.
+Python is in both images (no curl needed); a failure (sidecar already gone) must not block exit.
+*/}}
+{{- define "kvshard.drainCommand" -}}
+{{- $e := .Values.engine -}}
+{{- $url := printf "http://127.0.0.1:%d/v1/drain?timeout=%d" (int $e.sidecar.port) (int $e.sidecar.drainTimeoutSeconds) -}}
+{{- $script := printf "import urllib.request\ntry:\n    urllib.request.urlopen(%q, timeout=%d)\nexcept Exception as e:\n    print('drain:', e)" $url (add (int $e.sidecar.drainTimeoutSeconds) 5) -}}
+{{- list "python3" "-c" $script | toJson -}}
 {{- end }}
