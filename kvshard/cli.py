@@ -28,6 +28,9 @@ sharded across GPU pods by item similarity, and blended at request time with sel
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "store": ("kvshard_bench.store", "block store get/put throughput per tier (MB/s)"),
     "placement": ("kvshard_bench.placement", "clustering + assignment time and moved fraction on ±1 pod"),
+    "catalog": ("kvshard_bench.catalog",
+                "a catalog change (+1 % / ~0.5 % / -0.5 %) as a diff vs placing from scratch: publish time, "
+                "unchanged items moved, diff time and memory"),
     "fidelity": ("kvshard_bench.fidelity", "TTFT and fidelity of every blend method vs full prefill"),
     "peer": ("kvshard_bench.peer", "block fetch from a real peer sidecar over loopback vs a local disk read (MB/s)"),
     "vllm": ("kvshard_bench.vllm", "TTFT: vLLM + KvshardConnector vs the embedded engine vs vLLM with prefix caching"),
@@ -187,7 +190,11 @@ def _add_local_commands(sub: Any) -> None:
                         description="Start a local cluster on loopback: etcd, a Kubernetes API emulator, the operator, "
                         "N sidecar pods, Prometheus and the router; apply a CacheShard; print every process; stop "
                         "everything on Ctrl-C/SIGTERM. Every flag can also be set by its KVSHARD_LOCAL_* variable.")
-    from kvshard.local.settings import add_down_arguments, add_up_arguments  # light: no etcd client
+    from kvshard.local.settings import (  # light: no etcd client
+        add_down_arguments,
+        add_scale_arguments,
+        add_up_arguments,
+    )
 
     add_up_arguments(up)
     up.set_defaults(handler=_lazy("kvshard.local.cli", "up"))
@@ -195,6 +202,11 @@ def _add_local_commands(sub: Any) -> None:
                           description="Ask the `kvshard up` of a run folder to stop, wait, then kill whatever it left.")
     add_down_arguments(down)
     down.set_defaults(handler=_lazy("kvshard.local.cli", "down"))
+    scale = sub.add_parser("scale", help="change the pod count of the local cluster started by `kvshard up`",
+                           description="Ask the running `kvshard up` to run N sidecar pods, adding or removing the "
+                           "highest ordinals like a StatefulSet (a leaving pod drains first), and wait until it did.")
+    add_scale_arguments(scale)
+    scale.set_defaults(handler=_lazy("kvshard.local.cli", "scale"))
 
 
 def _add_bench_commands(sub: Any, argv: Sequence[str]) -> None:

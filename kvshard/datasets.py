@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,8 @@ class Item:
 
     id: str
     text: str
+    fields: Mapping[str, str] = field(default_factory=dict)
+    """Other fields of the catalog line (strings), for a prompt's ``itemFormat`` such as ``{text} ({brand})``."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,9 @@ def _read_items(path: Path) -> dict[str, Item]:
             raise DatasetError(f"{path}:{number}: field 'text' must be a non-empty string")
         if str(item_id) in items:
             raise DatasetError(f"{path}:{number}: duplicate item id {item_id!r}")
-        items[str(item_id)] = Item(id=str(item_id), text=" ".join(text.split()))
+        fields = {str(k): " ".join(str(v).split()) for k, v in record.items()
+                  if k not in ("id", "text") and isinstance(v, (str, int, float, bool)) and str(v).strip()}
+        items[str(item_id)] = Item(id=str(item_id), text=" ".join(text.split()), fields=fields)
     if not items:
         raise DatasetError(f"{path}: no items")
     return items

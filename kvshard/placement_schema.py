@@ -39,6 +39,11 @@ class Placement:
     revision: str = ""
     history_policy: str = "ReplicateAll"
     history_bytes_per_pod: int = 0
+    catalog: str = ""
+    """The catalog version (:mod:`kvshard.catalog_schema`) this generation was computed from; pods
+    load exactly this one from etcd ("" before catalogs were published: pods keep their own)."""
+    prompt: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """``spec.prompt`` in force ({} = the default template)."""
 
     @property
     def clusters(self) -> int:
@@ -97,6 +102,10 @@ def encode_assignment(placement: Placement, chunks: int) -> bytes:
         "history": {"policy": placement.history_policy, "bytesPerPod": placement.history_bytes_per_pod},
         "chunks": chunks,
     }
+    if placement.catalog:
+        doc["catalog"] = placement.catalog
+    if placement.prompt:
+        doc["prompt"] = dict(placement.prompt)
     data = json.dumps(doc, separators=(",", ":")).encode()
     if len(data) > MAX_VALUE_BYTES:
         raise PlacementFormatError(
@@ -159,6 +168,8 @@ def decode_assignment(data: bytes) -> tuple[Placement, int]:
         revision=doc.get("revision", ""),
         history_policy=doc["history"]["policy"],
         history_bytes_per_pod=int(doc["history"]["bytesPerPod"]),
+        catalog=str(doc.get("catalog", "")),
+        prompt={str(k): str(v) for k, v in (doc.get("prompt") or {}).items()},
     )
     return placement, int(doc["chunks"])
 

@@ -18,20 +18,25 @@ from __future__ import annotations
 
 import random
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvshard.datasets import Dataset
+from kvshard.datasets import Dataset, Item
+from kvshard.prompt_template import (
+    DEFAULT_CANDIDATES_HEADER,
+    DEFAULT_HISTORY_HEADER,
+    DEFAULT_QUESTION,
+    DEFAULT_SYSTEM_TEXT,
+    DEFAULT_TEMPLATE,
+    PromptTemplate,
+)
 from kvshard.segments import Prompt, Segment, SegmentKind
 
-DEFAULT_SYSTEM_TEXT = (
-    "You are a movie recommender. Given the movies a user watched, pick the one candidate "
-    "they are most likely to watch next."
-)
-DEFAULT_HISTORY_HEADER = "Movies this user watched, oldest first:\n"
-DEFAULT_CANDIDATES_HEADER = "\nCandidates:\n"
-DEFAULT_QUESTION = "\nWhich candidate will the user watch next? Answer with its letter only."
+__all__ = ["DEFAULT_CANDIDATES_HEADER", "DEFAULT_HISTORY_HEADER", "DEFAULT_QUESTION", "DEFAULT_SYSTEM_TEXT",
+           "LABEL_ALPHABET", "PromptBuilder", "PromptTemplate", "RecommendationPrompt", "RecommendationRequest",
+           "sample_requests"]
+
 _BODY_MARKER = "\u2063KVSHARD-BODY\u2063"
 # Single letters first, then digits and letter pairs; only those that are one token are used, so the
 # answer is always the first generated token.
@@ -113,21 +118,28 @@ def sample_requests(
 
 
 class PromptBuilder:
-    """Turns requests into segment lists for one tokenizer and catalog.
+    """Turns requests into segment lists for one tokenizer, catalog and prompt template.
 
     The system and instruction segments are rendered through the tokenizer's own chat template
-    (split around a marker), so the prompt is what the model was trained to see.
+    (split around a marker), so the prompt is what the model was trained to see. ``system_text``
+    and ``question`` override the template's (a request's own instruction uses ``question``).
+    Items not in the catalog can be given to :meth:`build` inline (cold items): their segments
+    are built the same way, but not memoised, so a stream of one-off items cannot grow memory.
     """
 
     def __init__(
         self,
         tokenizer: TextTokenizer,
         dataset: Dataset,
-        system_text: str = DEFAULT_SYSTEM_TEXT,
-        question: str = DEFAULT_QUESTION,
+        system_text: str | None = None,
+        question: str | None = None,
+        template: PromptTemplate = DEFAULT_TEMPLATE,
     ) -> None:
         self.tokenizer = tokenizer
         self.dataset = dataset
+        self.template = template
+        system_text = template.system if system_text is None else system_text
+        question = template.question if question is None else question
         rendered = tokenizer.apply_chat_template(
             [{"role": "system", "content": system_text}, {"role": "user", "content": _BODY_MARKER}],
             add_generation_prompt=True,
@@ -136,8 +148,8 @@ class PromptBuilder:
         if not isinstance(rendered, str) or rendered.count(_BODY_MARKER) != 1:
             raise ValueError("the tokenizer's chat template must render the user message exactly once")
         chat_prefix, chat_suffix = rendered.split(_BODY_MARKER)
-        self.system_segment = self._segment(SegmentKind.SYSTEM, chat_prefix + DEFAULT_HISTORY_HEADER)
-        self.candidates_segment = self._segment(SegmentKind.FREE, DEFAULT_CANDIDATES_HEADER)
+        self.system_segment = self._segment(SegmentKind.SYSTEM, chat_prefix + template.history_header)
+        self.candidates_segment = self._segment(SegmentKind.FREE, template.candidates_header)
         self.instruction_segment = self._segment(SegmentKind.INSTRUCTION, question + chat_suffix)
         self.labels, self.label_token_ids = self._single_token_labels()
         self._label_segments = [self._segment(SegmentKind.FREE, f"{label}. ") for label in self.labels]
@@ -159,37 +171,42 @@ class PromptBuilder:
                 ids.append(encoded[0])
         return tuple(labels), tuple(ids)
 
-    def item_segment(self, item_id: str) -> Segment:
-        """The item's segment (memoised: the catalog is fixed for a builder)."""
+    def _item(self, item_id: str, inline: Mapping[str, Item]) -> Item:
+        item = self.dataset.items.get(item_id) or inline.get(item_id)
+        if item is None:
+            raise KeyError(f"unknown item id {item_id!r}")
+        return item
+
+    def item_line(self, item: Item) -> str:
+        """The item as the template shows it (KeyError when it lacks a field the format uses)."""
+        return self.template.item_line(item.text, item.fields)
+
+    def item_segment(self, item_id: str, inline: Mapping[str, Item] | None = None) -> Segment:
+        """The item's segment (memoised for catalog items: the catalog is fixed for a builder)."""
         segment = self._item_segments.get(item_id)
         if segment is None:
-            item = self.dataset.items.get(item_id)
-            if item is None:
-                raise KeyError(f"unknown item id {item_id!r}")
-            segment = self._segment(SegmentKind.ITEM, item.text + "\n")
-            self._item_segments[item_id] = segment
+            item = self._item(item_id, inline or {})
+            segment = self._segment(SegmentKind.ITEM, self.item_line(item) + "\n")
+            if item_id in self.dataset.items:
+                self._item_segments[item_id] = segment
         return segment
 
-    def history_segment(self, history: Sequence[str]) -> Segment:
-        lines = []
-        for item_id in history:
-            item = self.dataset.items.get(item_id)
-            if item is None:
-                raise KeyError(f"unknown item id {item_id!r}")
-            lines.append(f"- {item.text}\n")
+    def history_segment(self, history: Sequence[str], inline: Mapping[str, Item] | None = None) -> Segment:
+        lines = [f"- {self.item_line(self._item(item_id, inline or {}))}\n" for item_id in history]
         return self._segment(SegmentKind.HISTORY, "".join(lines))
 
-    def build(self, request: RecommendationRequest) -> RecommendationPrompt:
+    def build(self, request: RecommendationRequest, inline: Mapping[str, Item] | None = None) -> RecommendationPrompt:
+        """The prompt of ``request``; ``inline`` holds items the catalog does not have (cold items)."""
         if not request.candidates:
             raise ValueError("a request needs at least one candidate")
         if len(request.candidates) > self.max_candidates:
             raise ValueError(f"at most {self.max_candidates} candidates fit the single-token labels")
         segments = [self.system_segment]
         if request.history:
-            segments.append(self.history_segment(request.history))
+            segments.append(self.history_segment(request.history, inline))
         segments.append(self.candidates_segment)
         for label_segment, item_id in zip(self._label_segments, request.candidates, strict=False):
-            segments += [label_segment, self.item_segment(item_id)]
+            segments += [label_segment, self.item_segment(item_id, inline)]
         segments.append(self.instruction_segment)
         count = len(request.candidates)
         return RecommendationPrompt(

@@ -40,16 +40,21 @@ class ModelIdentity:
     """Everything about the model that changes a block's KV bytes.
 
     ``revision`` is a hash of the weights (or a hub revision), ``tokenizer`` a hash of the
-    tokenizer files, ``dtype`` the dtype the KV was computed in.
+    tokenizer files, ``dtype`` the dtype the KV was computed in. ``template`` is the prompt
+    template's fingerprint (:mod:`kvshard.prompt_template`): a block computed under one system text
+    is never served under another. It is empty for the default template, so the keys of blocks
+    stored before templates existed (computed under exactly that text) do not change.
     """
 
     name: str
     revision: str
     tokenizer: str
     dtype: str = "float32"
+    template: str = ""
 
     def fingerprint(self) -> bytes:
-        return _join_fields(self.name, self.revision, self.tokenizer, self.dtype)
+        fields = (self.name, self.revision, self.tokenizer, self.dtype)
+        return _join_fields(*fields, self.template) if self.template else _join_fields(*fields)
 
 
 @dataclass(frozen=True)

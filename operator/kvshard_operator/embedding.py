@@ -200,3 +200,13 @@ def embed_catalog(ids: Sequence[str], texts: Sequence[str], *, cache: Path | Non
     np.save(tmp, vectors)
     tmp.replace(path)
     return vectors
+
+
+def embed_texts(texts: Sequence[str]) -> FloatArray:
+    """Embeddings of a few texts (a catalog change's new and edited items), never cached on disk."""
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = MiniLM()
+    if not texts:
+        return np.zeros((0, DIMENSION), dtype=np.float32)
+    return _MODEL.encode(list(texts))

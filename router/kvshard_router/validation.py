@@ -1,8 +1,8 @@
 """Parse just enough of a ``POST /v1/recommend`` body to route it; the sidecar validates the rest.
 
 The router needs the user and the candidate ids (and the history, for the prefix-aware baseline);
-everything else in the body (max_tokens, blend options, unknown ids, limits) is the sidecar's to
-judge, and the body is forwarded byte for byte. Ids may be strings or integers, as the sidecar
+everything else in the body (max_tokens, blend options, unknown ids, inline items' texts, limits) is
+the sidecar's to judge, and the body is forwarded byte for byte. Ids may be strings or integers, as the sidecar
 accepts both. Errors name the JSON field, as the sidecar's do, so a client sees one error format.
 """
 
@@ -32,7 +32,17 @@ def _ids(body: dict[str, Any], name: str, *, required: bool) -> tuple[str, ...]:
     value = body[name]
     if not isinstance(value, list):
         raise RequestError(name, f"must be a list of item ids, got {type(value).__name__}")
-    return tuple(_id(v, f"{name}[{i}]") for i, v in enumerate(value))
+    return tuple(_id(_inline_id(v, f"{name}[{i}]"), f"{name}[{i}]") for i, v in enumerate(value))
+
+
+def _inline_id(value: Any, where: str) -> Any:
+    """An item the catalog lacks may come inline as ``{"id": ..., "text": ...}``: it routes by its id (the
+    sidecar judges the text). An object without both fields is malformed here already."""
+    if not isinstance(value, dict):
+        return value
+    if "id" not in value or "text" not in value:
+        raise RequestError(where, 'an inline item needs "id" and "text"')
+    return value["id"]
 
 
 def parse_recommend(raw: bytes, *, history_tokens: int = 0) -> RouteRequest:

@@ -8,6 +8,12 @@ traffic to a replica only once it reports the cluster warm, so a cluster counts 
 *every* item block of it is stored locally — checked against the store, not assumed from the queue.
 A cluster that moves away is evicted from memory and disk at once and dropped from the report.
 
+Each generation names the catalog version and the prompt template it was placed for; before
+applying a generation whose version or template differs from the one in use, the follower loads
+that version from etcd and switches the service to it (:meth:`SidecarService.use_catalog`). Then a
+cluster whose items changed (added, removed, or a new text, hence a new block key) is warmed again —
+only its new blocks cost a prefill — and the blocks of removed or edited items are evicted.
+
 etcd is not on the request path: when it is unreachable the sidecar keeps serving what it stores,
 warming goes on, and the follower retries with a capped backoff; each new session re-reads
 ``current`` and re-sends the latest warm report, so nothing published meanwhile is missed. Every
@@ -23,7 +29,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvshard.etcd_store import EtcdStore, EtcdStoreError, EtcdUnavailableError
+from kvshard.etcd_tls import EtcdTLSConfigError
 from kvshard.placement_schema import Placement, PlacementFormatError, WarmReport
+from kvshard_sidecar.blend_follower import follow_blend
 from kvshard_sidecar.service import SidecarService, WarmUnit
 
 log = logging.getLogger(__name__)
@@ -42,9 +50,11 @@ class _Assignment:
     """One assigned cluster: its items and its units still queued. Identity matters: a unit belongs
     to the assignment object it was queued for, so one queued before a drop-and-reassign is stale."""
 
-    def __init__(self, items: tuple[str, ...], units: int) -> None:
+    def __init__(self, items: tuple[str, ...], units: int, keys: tuple[str, ...] = ()) -> None:
         self.items = items
         self.outstanding = units
+        self.keys = keys
+        """The items' block keys when assigned: a changed key (new text or template) re-warms the cluster."""
 
 
 class PlacementFollower:
@@ -91,14 +101,21 @@ class PlacementFollower:
 
     def _keys(self, items: Mapping[int, _Assignment] | None = None) -> set[str]:
         """Block keys of every item of the (given, else assigned) clusters."""
-        keys = self.service.item_block_keys
-        return {keys[item] for a in (self._assigned if items is None else items).values() for item in a.items}
+        return {key for a in (self._assigned if items is None else items).values() for key in a.keys}
 
     # ------------------------------------------------------------------ placement → warming
 
-    async def apply(self, placement: Placement) -> None:
-        """Take one placement generation: warm newly assigned clusters, evict the ones moved away."""
+    async def apply(self, placement: Placement, store: EtcdStore | None = None) -> None:
+        """Take one placement generation: switch to its catalog version and template (read from
+        ``store``) when they differ from the ones in use, warm newly assigned or changed clusters,
+        evict the blocks no longer wanted here."""
         before = self._keys()
+        service = self.service
+        if store is not None and placement.catalog and (
+                placement.catalog != service.catalog_version or dict(placement.prompt) != dict(service.prompt_spec)):
+            catalog_data = await store.read_catalog(self.namespace, self.shard, placement.catalog)
+            await service.prefill_queue.exclusive(service.use_catalog, catalog_data, placement.catalog,
+                                                  placement.prompt)
         catalog = self.service.item_block_keys
         by_cluster: dict[int, list[str]] = {}
         unknown = 0
@@ -115,7 +132,8 @@ class PlacementFollower:
         for cluster in dropped:
             del self._assigned[cluster]
             self.warm.discard(cluster)
-        started = [c for c, items in wanted.items() if c not in self._assigned or self._assigned[c].items != items]
+        started = [c for c, items in wanted.items() if c not in self._assigned or self._assigned[c].items != items
+                   or self._assigned[c].keys != tuple(catalog[i] for i in items)]
         for cluster in started:
             self._start(cluster, wanted[cluster])
         self._warm_history()
@@ -131,8 +149,10 @@ class PlacementFollower:
                 self._check_complete(cluster)
 
     def _start(self, cluster: int, items: tuple[str, ...]) -> None:
-        chunks = [items[i:i + WARM_BATCH] for i in range(0, len(items), WARM_BATCH)]
-        assignment = _Assignment(items, len(chunks))
+        keys = self.service.item_block_keys
+        todo = tuple(i for i in items if self.service.store.contains(keys[i]) is None)  # only what is missing
+        chunks = [todo[i:i + WARM_BATCH] for i in range(0, len(todo), WARM_BATCH)]
+        assignment = _Assignment(items, len(chunks), tuple(keys[i] for i in items))
         self._assigned[cluster] = assignment
         self.warm.discard(cluster)
 
@@ -142,7 +162,8 @@ class PlacementFollower:
         async def done(unit: WarmUnit) -> None:
             if self._assigned.get(cluster) is not assignment:
                 # moved away while this unit computed: its blocks were stored after the eviction
-                await self._evict({self.service.item_block_keys[i] for i in unit.idents} - self._keys())
+                keys = self.service.item_block_keys
+                await self._evict({keys[i] for i in unit.idents if i in keys} - self._keys())
                 return
             assignment.outstanding -= 1
             if assignment.outstanding == 0:
@@ -159,7 +180,7 @@ class PlacementFollower:
 
     def _check_complete(self, cluster: int) -> None:
         assignment = self._assigned[cluster]
-        keys = [self.service.item_block_keys[item] for item in assignment.items]
+        keys = list(assignment.keys)
         if self.service.stored(keys):
             self.warm.add(cluster)
             log.info("cluster %d is warm (%d item blocks)", cluster, len(keys))
@@ -191,7 +212,11 @@ class PlacementFollower:
             await self._task
         except asyncio.CancelledError:
             pass
-        store = self._store()
+        try:
+            store = self._store()
+        except EtcdTLSConfigError as error:
+            log.warning("could not withdraw the warm report of %s: %s", self.pod, error)
+            return
         try:
             async with asyncio.timeout(STOP_TIMEOUT_S):
                 await store.connect()
@@ -204,14 +229,20 @@ class PlacementFollower:
     def _store(self) -> EtcdStore:
         s = self.service.settings
         return EtcdStore(s.etcd_endpoints, username=s.etcd_username or None, password=s.etcd_password or None,
-                         timeout=3.0)
+                         tls=s.etcd_tls(), timeout=3.0)
 
     async def run(self) -> None:
         """One session per connection: watch placement, watch warm reports, report; on any etcd
         failure tear the session down, back off (capped), and start a fresh one."""
         backoff = BACKOFF_FIRST_S
         while True:
-            store = self._store()
+            try:
+                store = self._store()
+            except EtcdTLSConfigError as error:  # a TLS file went away or was replaced by garbage
+                log.error("following %s/%s: %s; retrying", self.namespace, self.shard, error)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_CAP_S)
+                continue
             try:
                 await store.connect()
                 self._dirty.set()  # (re-)send the latest report in every session
@@ -219,6 +250,7 @@ class PlacementFollower:
                     group.create_task(self._follow_placement(store))
                     group.create_task(self._follow_warm(store))
                     group.create_task(self._report(store))
+                    group.create_task(follow_blend(store, self.namespace, self.shard, self.service))
             except* EtcdUnavailableError as errors:
                 self._warm_history()  # no placement to wait for
                 if not self._etcd_down:
@@ -245,7 +277,7 @@ class PlacementFollower:
         # Yields ``current`` first, so a new session re-reads it; applying a generation again is a no-op.
         async for placement in store.watch_current(self.namespace, self.shard):
             self._reachable()
-            await self.apply(placement)
+            await self.apply(placement, store)
 
     async def _follow_warm(self, store: EtcdStore) -> None:
         async for reports in store.watch_warm(self.namespace, self.shard):

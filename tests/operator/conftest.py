@@ -22,7 +22,8 @@ os.environ["KUBECONFIG"] = str(_KUBECONFIG)
 atexit.register(shutil.rmtree, _KUBECONFIG.parent, ignore_errors=True)
 # The handlers read these at import; short intervals keep the end-to-end tests quick.
 for _key, _value in {"POD_SYNC_SECONDS": "0.5", "ETCD_TIMEOUT_SECONDS": "1", "RETRY_BACKOFF_SECONDS": "0.5",
-                     "RETRY_BACKOFF_MAX": "2", "REBALANCE_CHECK_SECONDS": "1", "METRICS_PORT": "0"}.items():
+                     "RETRY_BACKOFF_MAX": "2", "REBALANCE_CHECK_SECONDS": "1", "METRICS_PORT": "0",
+                     "CATALOG_CHECK_SECONDS": "0.5"}.items():
     os.environ.setdefault(f"KVSHARD_OPERATOR_{_key}", _value)
 
 from emulated import EmulatedCluster  # noqa: E402

@@ -92,6 +92,8 @@ MISTAKES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("capacity-as-integer", _set("spec.capacityPerPod", 1024), "spec.capacityPerPod"),
     ("no-etcd-endpoints", _set("spec.etcd.endpoints", []), "spec.etcd.endpoints"),
     ("etcd-endpoint-with-scheme", _set("spec.etcd.endpoints", ["http://etcd:2379"]), "spec.etcd.endpoints[0]"),
+    ("etcd-tls-without-secret", _set("spec.etcd.tls", {"serverName": "etcd.infra"}), "spec.etcd.tls.secretRef"),
+    ("etcd-tls-server-name-with-port", _set("spec.etcd.tls.serverName", "etcd:2379"), "spec.etcd.tls.serverName"),
     ("prometheus-url-without-scheme", _set("spec.prometheus.url", "prometheus:9090"), "spec.prometheus.url"),
     ("rebalance-without-prometheus", _del("spec.prometheus"), "spec.prometheus"),
     ("history-budget-with-policy-none", _set("spec.userHistory.policy", "None"), "spec.userHistory.perPodBytes"),
@@ -102,7 +104,38 @@ MISTAKES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("oversized-label-map", _set("spec.podSelector.matchLabels", {f"k{i}": "v" for i in range(40)}),
      "spec.podSelector.matchLabels"),
     ("many-things-at-once", _both(_set("spec.clusters", "x"), _del("spec.etcd")), "spec.etcd"),
+    ("prompt-item-format-without-text", _set("spec.prompt", {"itemFormat": "{title} ({brand})"}),
+     "spec.prompt.itemFormat"),
+    ("prompt-item-format-two-lines", _set("spec.prompt", {"itemFormat": "{text}\n{brand}"}), "spec.prompt.itemFormat"),
+    ("prompt-item-format-attribute", _set("spec.prompt", {"itemFormat": "{text} {brand.__class__}"}),
+     "spec.prompt.itemFormat"),
+    ("prompt-item-format-format-spec", _set("spec.prompt", {"itemFormat": "{text:>40}"}), "spec.prompt.itemFormat"),
+    ("prompt-empty-system-text", _set("spec.prompt", {"systemText": ""}), "spec.prompt.systemText"),
+    ("prompt-oversized-question", _set("spec.prompt", {"question": "?" * 4001}), "spec.prompt.question"),
+    ("prompt-unknown-field", _set("spec.prompt", {"system": "You sell books."}), "spec.prompt.system"),
+    ("url-catalog-ftp", _set("spec.catalog", {"url": {"url": "ftp://example.com/items.jsonl"}}),
+     "spec.catalog.url.url"),
+    ("url-catalog-without-url", _set("spec.catalog", {"url": {"secretRef": {"name": "token"}}}),
+     "spec.catalog.url.url"),
+    ("url-catalog-bad-secret-name", _set("spec.catalog", {"url": {"url": "https://x.example/i.jsonl",
+                                                                  "secretRef": {"name": "Bad_Name"}}}),
+     "spec.catalog.url.secretRef.name"),
+    ("url-and-builtin-catalog", _set("spec.catalog", {"url": {"url": "https://x.example/i.jsonl"},
+                                                      "builtin": "movielens-100k"}), "spec.catalog"),
+    ("catalog-refresh-too-often", _set("spec.catalog", {"url": {"url": "https://x.example/i.jsonl"},
+                                                        "refreshSeconds": 1}), "spec.catalog.refreshSeconds"),
 ]
+
+
+def test_a_custom_prompt_and_a_url_catalog_with_a_token_are_valid_and_defaulted() -> None:
+    obj = full()
+    obj["spec"]["catalog"] = {"url": {"url": "https://catalog.shop.internal/items.jsonl",
+                                      "secretRef": {"name": "catalog-token"}}}
+    obj["spec"]["prompt"] = {"systemText": "You are a bookshop's recommender.", "itemFormat": "{text} by {author}",
+                             "question": "\nWhich book next? Answer with its letter only."}
+    spec = validation.validate(obj)["spec"]
+    assert spec["catalog"]["url"]["secretRef"]["key"] == "token"
+    assert spec["catalog"]["refreshSeconds"] == 60
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

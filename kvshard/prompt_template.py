@@ -1,0 +1,157 @@
+"""The prompt template a CacheShard carries (``spec.prompt``): what the recommender is told.
+
+A shop, a news site and a music service each say what they are, so the texts around the segments
+are the user's: the system text, the history header, the candidates header, the question, and the
+format of one item line (``{text}`` plus, optionally, other fields of the catalog's items, e.g.
+``{text} ({brand})``). The *structure* is fixed — system, history, a free ``Candidates:`` header, a
+free label ``A. `` plus one item per candidate, the question — because blending, fine-tuning and
+the block layout rely on it.
+
+A template decides every block's tokens, so it is part of every block key
+(:attr:`PromptTemplate.fingerprint` goes into the model identity): a changed system text never
+serves blocks computed under the old one, even where the block's own tokens did not change
+(standalone prefill). The default template's fingerprint is empty, so the blocks stored before
+templates existed — computed under exactly this text — stay valid.
+
+Placeholders are plain names (``{brand}``); attribute access, indexing, conversions and format
+specs are refused, so a template can never reach into Python objects. ``{{`` and ``}}`` are literal
+braces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import string
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+DEFAULT_SYSTEM_TEXT = (
+    "You are a movie recommender. Given the movies a user watched, pick the one candidate "
+    "they are most likely to watch next."
+)
+DEFAULT_HISTORY_HEADER = "Movies this user watched, oldest first:\n"
+DEFAULT_CANDIDATES_HEADER = "\nCandidates:\n"
+DEFAULT_QUESTION = "\nWhich candidate will the user watch next? Answer with its letter only."
+DEFAULT_ITEM_FORMAT = "{text}"
+
+MAX_TEXT_CHARS = 4000
+"""Longest system text or question (the CRD says the same): every prompt pays for them."""
+MAX_HEADER_CHARS = 500
+MAX_ITEM_FORMAT_CHARS = 500
+FIELD_NAME = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"
+SPEC_FIELDS = {"systemText": "system", "historyHeader": "history_header", "candidatesHeader": "candidates_header",
+               "question": "question", "itemFormat": "item_format"}
+
+
+class TemplateError(ValueError):
+    """A template that cannot render; the message names the ``spec.prompt`` field."""
+
+
+def placeholders(fmt: str, where: str = "spec.prompt.itemFormat") -> list[str]:
+    """The field names ``fmt`` uses, in order; :class:`TemplateError` for anything but plain names."""
+    names: list[str] = []
+    try:
+        parsed = list(string.Formatter().parse(fmt))
+    except ValueError as exc:
+        raise TemplateError(f"{where}: {exc} (write {{{{ and }}}} for literal braces)") from None
+    for _literal, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name or any(c not in FIELD_NAME for c in name) or spec or conversion:
+            raise TemplateError(f"{where}: placeholder {{{name}{'!' + conversion if conversion else ''}"
+                                f"{':' + spec if spec else ''}}} must be a plain field name such as {{text}}")
+        names.append(name)
+    return names
+
+
+def render(fmt: str, values: Mapping[str, str]) -> str:
+    """``fmt`` with every placeholder replaced by ``values[name]`` (KeyError names a missing one)."""
+    out: list[str] = []
+    for literal, name, _spec, _conversion in string.Formatter().parse(fmt):
+        out.append(literal)
+        if name is not None:
+            out.append(values[name])
+    return "".join(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTemplate:
+    """The texts around the segments; defaults are today's MovieLens prompt."""
+
+    system: str = DEFAULT_SYSTEM_TEXT
+    history_header: str = DEFAULT_HISTORY_HEADER
+    candidates_header: str = DEFAULT_CANDIDATES_HEADER
+    question: str = DEFAULT_QUESTION
+    item_format: str = DEFAULT_ITEM_FORMAT
+
+    def __post_init__(self) -> None:
+        limits = {"system": MAX_TEXT_CHARS, "question": MAX_TEXT_CHARS, "history_header": MAX_HEADER_CHARS,
+                  "candidates_header": MAX_HEADER_CHARS, "item_format": MAX_ITEM_FORMAT_CHARS}
+        spec_name = {v: k for k, v in SPEC_FIELDS.items()}
+        for name, limit in limits.items():
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TemplateError(f"spec.prompt.{spec_name[name]}: must be a string")
+            if len(value) > limit:
+                raise TemplateError(f"spec.prompt.{spec_name[name]}: {len(value)} characters; at most {limit}")
+        for name in ("system", "question"):
+            if not getattr(self, name).strip():
+                raise TemplateError(f"spec.prompt.{spec_name[name]}: must not be empty")
+        if "text" not in placeholders(self.item_format):
+            raise TemplateError("spec.prompt.itemFormat: must contain {text} (the item's own text)")
+        if "\n" in self.item_format:
+            raise TemplateError("spec.prompt.itemFormat: must be one line (each item is one line of the prompt)")
+
+    @property
+    def item_fields(self) -> list[str]:
+        """The item fields the item line uses besides ``text``."""
+        return [name for name in dict.fromkeys(placeholders(self.item_format)) if name != "text"]
+
+    def item_line(self, text: str, fields: Mapping[str, str] | None = None) -> str:
+        """One item as the prompt shows it (no newline)."""
+        return render(self.item_format, {**(fields or {}), "text": text})
+
+    @property
+    def fingerprint(self) -> str:
+        """What block keys depend on: ``""`` for the default template, else a hash of every field."""
+        if self == DEFAULT_TEMPLATE:
+            return ""
+        return hashlib.blake2b(self.encode(), digest_size=16).hexdigest()
+
+    def as_spec(self) -> dict[str, str]:
+        """The template as ``spec.prompt`` spells it."""
+        return {spec: getattr(self, attr) for spec, attr in SPEC_FIELDS.items()}
+
+    def encode(self) -> bytes:
+        return json.dumps(self.as_spec(), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any] | None) -> PromptTemplate:
+        """A template from ``spec.prompt`` (missing fields take the defaults)."""
+        if not spec:
+            return DEFAULT_TEMPLATE
+        unknown = sorted(set(spec) - set(SPEC_FIELDS))
+        if unknown:
+            raise TemplateError(f"spec.prompt.{unknown[0]}: unknown field (allowed: {', '.join(SPEC_FIELDS)})")
+        return cls(**{SPEC_FIELDS[k]: v for k, v in spec.items()})
+
+
+DEFAULT_TEMPLATE = PromptTemplate()
+
+
+def missing_fields(template: PromptTemplate, items: Iterable[tuple[str, Mapping[str, str]]],
+                   limit: int = 5) -> list[str]:
+    """``"item <id> has no field 'brand'"`` for the first ``limit`` items the template cannot render."""
+    needed = template.item_fields
+    if not needed:
+        return []
+    problems: list[str] = []
+    for item_id, fields in items:
+        lacking = [name for name in needed if name not in fields]
+        if lacking:
+            problems.append(f"item {item_id!r} has no field {lacking[0]!r} (spec.prompt.itemFormat uses it)")
+            if len(problems) >= limit:
+                break
+    return problems
