@@ -19,6 +19,11 @@ TTFT is the median over requests with every block already cached (each prompt is
 cold, before the timed runs); the cold path (blocks computed, then stored) is a separate row.
 ``ideal_speedup`` is full's token-layers over the method's (DESIGN §4's cost model). Methods run
 interleaved per request so a noisy neighbour slows all of them alike.
+
+Methods are named (:mod:`kvshard_sidecar.engine.methods`): the selectors, the baselines ``cacheblend``
+and ``epic``, and corrections after ``+`` (``deviation+structure``, ``tail+ape`` …). Two more modes:
+``--attribution`` (:mod:`kvshard_bench.attribution`: which stale rows carry the error) and ``--sweep``
+(:mod:`kvshard_bench.frontier`: every method at every ratio, and the frontier PNG).
 """
 
 from __future__ import annotations
@@ -36,12 +41,24 @@ from tqdm import tqdm
 from kvshard.datasets import load_dataset
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, kendall_tau, quality, random_quality
+from kvshard_bench.attribution import format_attribution, run_attribution
+from kvshard_bench.frontier import SWEEP_METHODS, SWEEP_RATIOS, format_sweep, plot_frontier, sweep_specs
 from kvshard_sidecar.adapter_merge import MODEL_HELP, resolve_model
 from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings, MemoryBlockSource
+from kvshard_sidecar.engine.methods import method_settings as named_settings
 
 Row = dict[str, Any]
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.3)
+DEFAULT_METHODS = ("none", "boundary", "deviation", "hybrid", "cacheblend", "epic")
 PREFIX_RATIO = -1.0  # samples key for ``prefix``; its row reports the measured recompute ratio
+
+
+def ratio_value(text: str) -> float:
+    """A recompute ratio in [0, 1] (argparse type)."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a ratio must be in [0, 1], got {text}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,10 +66,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="movielens-100k", metavar="NAME|PATH",
                         help="built-in dataset name or folder (default: %(default)s)")
     parser.add_argument("--users", type=int, default=8, help="requests, one per user (default: %(default)s)")
-    parser.add_argument("--history", type=int, default=30, help="history items per user (default: %(default)s)")
-    parser.add_argument("--candidates", type=int, default=20, help="candidates per request (default: %(default)s)")
-    parser.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS),
-                        help="recompute ratios for boundary/deviation/hybrid (default: %(default)s)")
+    parser.add_argument("--history", type=int, nargs="+", default=[30],
+                        help="history items per user; several values repeat the run per size (default: %(default)s)")
+    parser.add_argument("--candidates", type=int, nargs="+", default=[20],
+                        help="candidates per request; several values repeat the run per size (default: %(default)s)")
+    parser.add_argument("--ratios", type=ratio_value, nargs="+", default=None,
+                        help=f"recompute ratios in [0, 1] (default: {list(DEFAULT_RATIOS)}; "
+                             f"with --sweep {list(SWEEP_RATIOS)})")
+    parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD[+CORRECTION]",
+                        help=f"methods to run (default: {' '.join(DEFAULT_METHODS)}; with --sweep every method "
+                             "and correction); corrections: +tail +structure +segment +ape")
+    parser.add_argument("--attribution", action="store_true",
+                        help="error attribution: replace stale rows of each kind (and every layer <= l) by full "
+                             "prefill's exact rows and report KL / tau / top-1")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the frontier: every method at every ratio, table + two-panel PNG (--plot, default "
+                             "fidelity-frontier.png)")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="recompute the model's attention calibration (+ape methods) even if one is stored")
     parser.add_argument("--seed", type=int, default=0, help="request sampling seed (default: %(default)s)")
     parser.add_argument("--model", default=None, metavar="base|finetuned|PATH",
                         help=f"{MODEL_HELP} (default: base)")
@@ -90,24 +121,35 @@ def schedule(first: float, ratio: float, layers: int) -> tuple[float, ...]:
     return tuple(start + (ratio - start) * i / (layers - 1) for i in range(layers))
 
 
-def method_settings(
-    args: argparse.Namespace, neutral: tuple[int, ...] = ()
-) -> list[tuple[str, float, BlendSettings]]:
-    """Every (method, ratio, settings) the benchmark runs besides ``full`` and ``prefix``."""
-    base = BlendSettings(
+def base_settings(args: argparse.Namespace, neutral: tuple[int, ...] = ()) -> BlendSettings:
+    """The settings every method starts from (prefill context, deviation options) before its own."""
+    return BlendSettings(
         neutral_context=neutral if args.prefill_context == "neutral" else (),
         prefill_context=args.prefill_context, deviation_on=args.deviation_on,
         deviation_weight=args.deviation_weight,
         check_layers=tuple(args.check_layers), recompute_free=args.recompute_free,
     )
-    methods: list[tuple[str, float, BlendSettings]] = [("none", 0.0, base.with_(selector="none", ratio=0.0))]
-    for selector in ("boundary", "deviation", "hybrid"):
-        for ratio in args.ratios:
-            steps = schedule(args.first_ratio, ratio, len(args.check_layers))
-            settings = base.with_(selector=selector, ratio=ratio, schedule=steps,
-                                  boundary_w=args.boundary_w if selector == "hybrid" else None)
-            methods.append((selector, ratio, settings))
-    return methods
+
+
+def method_settings(
+    args: argparse.Namespace, neutral: tuple[int, ...] = (), calibration: tuple[float, float] | None = None
+) -> list[tuple[str, float, BlendSettings]]:
+    """Every (method, ratio, settings) the benchmark runs besides ``full`` and ``prefix``."""
+    base = base_settings(args, neutral)
+    sweeping = getattr(args, "sweep", False)
+    methods = getattr(args, "methods", None) or (SWEEP_METHODS if sweeping else DEFAULT_METHODS)
+    ratios = args.ratios if args.ratios is not None else (SWEEP_RATIOS if sweeping else DEFAULT_RATIOS)
+    found: list[tuple[str, float, BlendSettings]] = []
+    for spec, ratio in sweep_specs(methods, ratios):
+        selector = spec.split("+")[0]
+        tuned = base
+        if selector in ("deviation", "hybrid"):
+            tuned = base.with_(schedule=schedule(args.first_ratio, ratio, len(args.check_layers)),
+                               boundary_w=args.boundary_w if selector == "hybrid" else None)
+        if selector in ("none", "boundary", "tail", "cacheblend", "epic"):
+            tuned = base.with_(schedule=(), boundary_w=None)
+        found.append((spec, ratio, named_settings(spec, ratio, tuned, calibration)))
+    return found
 
 
 def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -132,7 +174,7 @@ def score(full: BlendResult, result: BlendResult, request: RecommendationPrompt)
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    """Run every method on every request; print a table, write JSON/PNG if asked; return the rows."""
+    """Run the chosen mode for every prompt size; print tables, write JSON/PNG if asked; return the rows."""
     if args.threads:
         torch.set_num_threads(args.threads)
     dataset = load_dataset(args.dataset)
@@ -140,19 +182,74 @@ def run(args: argparse.Namespace) -> list[Row]:
     engine = BlendEngine.load(model, MemoryBlockSource())
     tokenizer = engine_tokenizer(model)
     builder = PromptBuilder(tokenizer, dataset)
-    sampled = sample_requests(dataset, args.users, args.history, args.candidates, args.seed)
-    requests = [builder.build(r) for r in sampled]
-    if not requests:
-        raise SystemExit(f"no user of {args.dataset} has more than {args.history} interactions")
-    methods = method_settings(args, tuple(tokenizer.encode(args.neutral_text, add_special_tokens=False)))
+    neutral = tuple(tokenizer.encode(args.neutral_text, add_special_tokens=False))
+    rows: list[Row] = []
+    for history in args.history:
+        for candidates in args.candidates:
+            sampled = sample_requests(dataset, args.users, history, candidates, args.seed)
+            requests = [builder.build(r) for r in sampled]
+            if not requests:
+                raise SystemExit(f"no user of {args.dataset} has more than {history} interactions")
+            size = {"history": history, "candidates": candidates}
+            if args.attribution:
+                found = run_attribution(engine, requests, base_settings(args, neutral), score)
+                print(f"attribution: {len(requests)} requests, {history} history items, {candidates} candidates, "
+                      f"prefill context {args.prefill_context}; blend recomputes only the question")
+                print(format_attribution(found))
+                rows += [{**size, **row} for row in found]
+                continue
+            calibration = _calibration(args, engine, model, builder, dataset, history, candidates, neutral,
+                                       [r.user_id for r in sampled])
+            methods = method_settings(args, neutral, calibration)
+            found = measure(args, engine, requests, methods)
+            rows += [{**size, **row} for row in found]
+    if not args.attribution:
+        print(format_sweep(rows) if args.sweep else format_table(rows))
+    if args.memory and not args.attribution:
+        report_memory(args, [m for m in method_settings(args, neutral, (1.0, 1.0)) if "+ape" not in m[0]], rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.sweep:
+        path = args.plot or Path("fidelity-frontier.png")
+        plot_frontier(rows, path)
+        print(f"frontier plot: {path}")
+    elif args.plot and not args.attribution:
+        plot(rows, args.plot)
+    return rows
+
+
+def _calibration(args: argparse.Namespace, engine: BlendEngine, model: Path, builder: PromptBuilder, dataset: Any,
+                 history: int, candidates: int, neutral: tuple[int, ...], users: list[str]
+                 ) -> tuple[float, float] | None:
+    """The model's attention calibration when a method asks for it (``+ape``), else ``None``."""
+    methods = args.methods or (SWEEP_METHODS if args.sweep else DEFAULT_METHODS)
+    if not any("+ape" in m for m in methods):
+        return None
+    from kvshard_bench.calibrate import load_or_calibrate, overlap
+
+    base = base_settings(args, neutral)
+    calibration = load_or_calibrate(engine, model, builder, dataset, history, candidates, base, args.recalibrate)
+    shared = overlap(calibration, users)
+    if shared:
+        raise SystemExit(f"the calibration was fitted on benchmark users {shared}: recalibrate or change --seed")
+    print(f"attention calibration: temperature {calibration.temperature}, scale {calibration.scale} "
+          f"(fitted on users {calibration.provenance.get('users')}, seed {calibration.provenance.get('seed')})")
+    return calibration.temperature, calibration.scale
+
+
+def measure(args: argparse.Namespace, engine: BlendEngine, requests: Sequence[RecommendationPrompt],
+            methods: Sequence[tuple[str, float, BlendSettings]]) -> list[Row]:
+    """Every method on every request (interleaved per request); the summarized rows."""
     samples: dict[tuple[str, float], list[dict[str, float]]] = {}
     cold_ms: list[float] = []
     engine.full(requests[0].prompt)  # warm up allocator and kernels; not timed
     progress = tqdm(total=len(requests) * (len(methods) + 3), desc="fidelity", unit="run")
     for request in requests:
         prompt = request.prompt
-        cold = engine.blend(prompt, methods[-1][2])  # cold path: this request's uncached blocks computed
-        cold_ms.append(cold.ttft_s * 1e3)
+        for context in sorted({s.prefill_context for _, _, s in methods}):  # store every block kind once, untimed
+            cold = engine.blend(prompt, next(s for _, _, s in methods if s.prefill_context == context))
+            if context == args.prefill_context:
+                cold_ms.append(cold.ttft_s * 1e3)
         progress.update()
         full = _timed(args.repeats, engine.full, prompt)
         progress.update()
@@ -168,20 +265,14 @@ def run(args: argparse.Namespace) -> list[Row]:
                        recompute=result.recompute_ratio)
             samples.setdefault((name, ratio), []).append(row)
     progress.close()
-    rows = summarize(samples, cold_ms, args.candidates)
-    print(f"{len(requests)} requests, {args.history} history items, {args.candidates} candidates, "
+    candidates = len(requests[0].labels)
+    rows = summarize(samples, cold_ms or [float("nan")], candidates)
+    print(f"{len(requests)} requests, {len(requests[0].request.history)} history items, {candidates} candidates, "
           f"~{statistics.mean(r['tokens'] for r in samples[('full', 1.0)]):.0f} tokens; "
           f"prefill context {args.prefill_context}, deviation on {args.deviation_on} "
           f"(weight {args.deviation_weight}), "
           f"check layers {args.check_layers}, first ratio {args.first_ratio}, "
           f"recompute free {args.recompute_free}, torch threads {torch.get_num_threads()}")
-    print(format_table(rows))
-    if args.memory:
-        report_memory(args, methods, rows)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if args.plot:
-        plot(rows, args.plot)
     return rows
 
 
@@ -194,7 +285,7 @@ def report_memory(args: argparse.Namespace, methods: Sequence[tuple[str, float, 
 
     chosen = next((s for name, ratio, s in methods if name == "deviation" and abs(ratio - 0.15) < 1e-9),
                   methods[-1][2])
-    config = {"dataset": args.dataset, "history": args.history, "candidates": args.candidates, "seed": args.seed,
+    config = {"dataset": args.dataset, "history": args.history[0], "candidates": args.candidates[0], "seed": args.seed,
               "model": str(resolve_model(args.model)), "threads": args.threads,
               "settings": asdict(chosen)}
     measured = {m["method"]: m for m in measure(config)}

@@ -27,11 +27,16 @@ near_misses = st.fixed_dictionaries({}, optional={
     "max_tokens": scalars, "temperature": scalars, "instruction": scalars, "logprobs": scalars,
     "mode": st.one_of(scalars, st.sampled_from(["rank", "generate"])), "top_k": scalars,
     "blend": st.one_of(scalars, st.dictionaries(st.sampled_from(["selector", "ratio", "check_layers", "schedule",
-                                                                 "boundary_w", "deviation_on", "x"]),
+                                                                 "boundary_w", "deviation_on", "method", "epic_k",
+                                                                 "x"]),
                                                 json_values, max_size=4),
                        # check layers around the model's depth (30): beyond it must be a 4xx, never a 500
                        st.fixed_dictionaries({"selector": st.sampled_from(["deviation", "hybrid"]),
-                                              "check_layers": st.lists(st.integers(0, 64), min_size=1, max_size=3)})),
+                                              "check_layers": st.lists(st.integers(0, 64), min_size=1, max_size=3)}),
+                       # named methods, with and without corrections, ratios and EPIC's k
+                       st.fixed_dictionaries({"method": st.sampled_from(["cacheblend", "epic", "full", "none+ape",
+                                                                         "tail+segment", "hybrid+tail", "x+y"])},
+                                             optional={"ratio": st.floats(-1, 2), "epic_k": st.integers(-2, 9)})),
 })
 raw_bodies = st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode))
 bodies = st.one_of(json_values.map(lambda v: json.dumps(v).encode()),

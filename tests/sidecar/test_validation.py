@@ -96,6 +96,12 @@ def test_integer_ids_are_accepted_as_strings() -> None:
         ({"blend": {"unknown": 1}}, "blend.unknown"),
         ({"blend": {"check_layers": ["1"]}}, "blend.check_layers"),
         ({"blend": {"check_layers": [0]}}, "blend"),
+        ({"blend": {"method": "magic"}}, "blend.method"),
+        ({"blend": {"method": 3}}, "blend.method"),
+        ({"blend": {"method": "epic", "selector": "none"}}, "blend.method"),
+        ({"blend": {"method": "none+ape"}}, "blend.method"),
+        ({"blend": {"method": "none+structure"}}, "blend.method"),
+        ({"blend": {"method": "epic", "epic_k": -1}}, "blend.epic_k"),
         ({"extra": 1}, "extra"),
     ],
 )
@@ -125,6 +131,19 @@ def test_blend_overrides_apply_over_defaults() -> None:
     blended = parse_blend({"selector": "boundary", "ratio": 0.3}, defaults)
     assert blended.selector == "boundary" and blended.ratio == 0.3
     assert parse_blend(None, defaults) is defaults
+
+
+def test_a_named_method_is_the_benchmarks_settings_at_the_requested_ratio() -> None:
+    from kvshard_sidecar.engine.methods import method_settings
+
+    defaults = BlendSettings()
+    assert parse_blend({"method": "cacheblend", "ratio": 0.2}, defaults) == method_settings("cacheblend", 0.2, defaults)
+    epic = parse_blend({"method": "epic", "epic_k": 4}, defaults)
+    assert (epic.selector, epic.epic_k, epic.prefill_context, epic.ratio) == ("epic", 4, "standalone", defaults.ratio)
+    full = parse_blend({"method": "full"}, defaults)
+    assert (full.ratio, full.selector) == (1.0, "tail")
+    corrected = parse_blend({"method": "deviation+structure"}, defaults)
+    assert corrected.structure and corrected.selector == "deviation"
 
 
 def test_prefill_needs_known_items_or_users() -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,10 @@ import torch
 
 from kvshard.segments import ModelIdentity, Prompt, Segment, SegmentKind, block_key
 from kvshard_sidecar.blockstore.block import KVBlock
+from kvshard_sidecar.engine.calibration import calibrated_attention, stale_rows
 from kvshard_sidecar.engine.executor import Executor
 from kvshard_sidecar.engine.kvbuffer import KVBuffer
+from kvshard_sidecar.engine.oracle import Oracle
 from kvshard_sidecar.engine.results import BlendResult, Generation, Sampling, pick_token
 from kvshard_sidecar.engine.rope import apply_rotary, rotate_keys, rotation_tables
 from kvshard_sidecar.engine.selectors import (
@@ -293,19 +295,29 @@ class BlendEngine:
         return self._finish("prefix", prompt, ids, steps, stats, start, causal=False)
 
     @torch.inference_mode()
-    def blend(self, prompt: Prompt, settings: BlendSettings | None = None) -> BlendResult:
-        """Serve a prompt from cached blocks with the selector in ``settings`` (default: the engine's)."""
+    def blend(self, prompt: Prompt, settings: BlendSettings | None = None, oracle: Oracle | None = None
+              ) -> BlendResult:
+        """Serve a prompt from cached blocks with the selector in ``settings`` (default: the engine's).
+
+        ``oracle`` (measurement only, see :mod:`.oracle`) overwrites some assembled rows with full
+        prefill's exact KV before the layer loop — how the fidelity benchmark attributes error.
+        """
         settings = settings or self.settings
         settings.validate(self.executor.shape.num_layers)
         start = time.perf_counter()
         stats = self._assemble(prompt, settings, upto=None)
+        if oracle is not None:
+            oracle.apply(stats.kv)
         layout = self.layout(prompt, stats.exact_prefix, settings)
         steps = plan(layout, settings)
         device = self.executor.device
-        steps = Plan(steps.initial.to(device), steps.pinned.to(device), steps.checks, steps.deviation_on,
-                     steps.deviation_weight)
+        steps = replace(steps, initial=steps.initial.to(device), pinned=steps.pinned.to(device))
         ids = torch.tensor(prompt.token_ids, dtype=torch.long, device=device)
-        return self._finish(settings.selector, prompt, ids, steps, stats, start, causal=False)
+        calibration = None
+        if settings.calibrates_attention:
+            calibration = (settings.attention_temperature, settings.attention_scale, stats.exact_prefix)
+        return self._finish(settings.selector, prompt, ids, steps, stats, start, causal=False,
+                            calibration=calibration)
 
     @staticmethod
     def layout(prompt: Prompt, exact_prefix: int, settings: BlendSettings) -> Layout:
@@ -315,14 +327,15 @@ class BlendEngine:
         if settings.recompute_free:
             forced += [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.FREE and i != last]
         bounds = [(span.start, span.end) for span in prompt.spans]
-        return Layout.build(bounds, exact_prefix, forced)
+        return Layout.build(bounds, exact_prefix, forced, [s.kind.value for s in prompt.segments])
 
     def _finish(
         self, method: str, prompt: Prompt, ids: torch.Tensor, steps: Plan, stats: _Assembly,
-        start: float, causal: bool,
+        start: float, causal: bool, calibration: tuple[float, float, int] | None = None,
     ) -> BlendResult:
         t0 = time.perf_counter()
-        hidden, token_layers, selected = self._run(stats.kv, ids, steps, causal=causal, need_hidden=True)
+        hidden, token_layers, selected = self._run(stats.kv, ids, steps, causal=causal, need_hidden=True,
+                                                   calibration=calibration)
         self._sync()
         t1 = time.perf_counter()
         assert hidden is not None
@@ -341,6 +354,7 @@ class BlendEngine:
     def _run(
         self, kv: KVBuffer, ids: torch.Tensor, steps: Plan, causal: bool, need_hidden: bool,
         positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+        calibration: tuple[float, float, int] | None = None,
     ) -> tuple[torch.Tensor | None, int, torch.Tensor]:
         """The layer loop: run ``steps.initial`` from layer 0, narrowing at each check layer.
 
@@ -348,6 +362,8 @@ class BlendEngine:
         to all rows ``0..N-1`` (full prefill); otherwise a boolean ``[n, N]`` mask lets each running
         query see every position up to its own. Batched segment prefill passes its own RoPE
         ``positions`` for the running rows and its own ``mask`` (no check layers then).
+        ``calibration`` ``(temperature, scale, exact_prefix)`` rescales attention to the stale rows
+        (blended, not running, after the exact prefix) — see :func:`calibrated_attention`.
         """
         ex = self.executor
         n_rows = kv.length
@@ -362,6 +378,7 @@ class BlendEngine:
             mask = all_rows[None, :] <= running[:, None]
         token_layers = 0
         last_layer = ex.shape.num_layers - 1
+        stale: torch.Tensor | None = None
         for layer in range(ex.shape.num_layers):
             q, k, v = ex.project(layer, hidden, (cos, sin))
             token_layers += int(running.numel())
@@ -372,17 +389,27 @@ class BlendEngine:
                 kv.write(layer, running, k, v)
                 if steps.deviation_weight == "attention":
                     scores = scores * self._suffix_attention(layer, kv, q, running, steps.pinned)
-                keep = select_top(scores, step.keep, steps.pinned[running])
+                if steps.picker is not None:
+                    keep = steps.picker(scores, step.keep, steps.pinned[running], running)
+                else:
+                    keep = select_top(scores, step.keep, steps.pinned[running])
                 running = running[keep]
                 hidden, q = hidden[:, keep], q[:, :, keep]
                 cos, sin = cos[:, :, keep], sin[:, :, keep]
                 mask = all_rows[None, :] <= running[:, None]
                 causal = False
+                stale = None
             else:
                 kv.write(layer, running, k, v)
             if layer == last_layer and not need_hidden:
                 break
             keys, values = kv.layer(layer)
+            if calibration is not None and mask is not None:
+                if stale is None:
+                    stale = stale_rows(n_rows, running, calibration[2])
+                keys, bias = calibrated_attention(keys, mask, stale, calibration[0], calibration[1])
+                hidden = ex.finish(layer, hidden, q, keys, values, bias)
+                continue
             hidden = ex.finish(layer, hidden, q, keys, values, mask, causal=causal)
         return (hidden if need_hidden else None), token_layers, running
 

@@ -11,6 +11,8 @@ Vocabulary:
 * **forced** — tokens always recomputed: the uncached suffix (and FREE segments if configured).
 * **candidates** — every other token; ratios are shares of the candidates.
 * **pinned** — tokens a check layer may not drop (forced, plus boundary tokens for ``hybrid``).
+* **units** — what a segment-granular or structure-aware pick keeps together: a label and the item
+  it names form one unit; the header, the history and every other segment are units of their own.
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvshard_sidecar.engine.settings import BlendSettings, DeviationOn, DeviationWeight
+
+if TYPE_CHECKING:
+    from kvshard_sidecar.engine.corrections import Picker
+
+ROLE_PLAIN, ROLE_LABEL, ROLE_HEADER = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -32,24 +40,35 @@ class Layout:
         segment_bounds: ``(start, end)`` of every segment, in order.
         exact_prefix: number of leading tokens with exact cached KV.
         forced: bool ``[N]``: tokens always recomputed (at or after the exact prefix).
+        units: long ``[N]``: the unit (index of its representative segment) of every token.
+        roles: long ``[N]``: ``ROLE_LABEL`` for a label's tokens, ``ROLE_HEADER`` for a list header's
+            (a FREE segment not followed by an item), ``ROLE_PLAIN`` for everything else.
     """
 
     segment_bounds: tuple[tuple[int, int], ...]
     exact_prefix: int
     forced: torch.Tensor
+    units: torch.Tensor | None = None
+    roles: torch.Tensor | None = None
 
     @classmethod
     def build(
-        cls, segment_bounds: Sequence[tuple[int, int]], exact_prefix: int, forced_segments: Sequence[int]
+        cls, segment_bounds: Sequence[tuple[int, int]], exact_prefix: int, forced_segments: Sequence[int],
+        kinds: Sequence[str] | None = None,
     ) -> Layout:
-        """A layout whose forced tokens are the whole segments with the given indices."""
+        """A layout whose forced tokens are the whole segments with the given indices; ``kinds`` (the
+        segments' kind values) give the units and roles (each segment its own plain unit without them)."""
         bounds = tuple((int(s), int(e)) for s, e in segment_bounds)
         total = bounds[-1][1] if bounds else 0
         forced = torch.zeros(total, dtype=torch.bool)
         for index in forced_segments:
             start, end = bounds[index]
             forced[max(start, exact_prefix):end] = True
-        return cls(bounds, exact_prefix, forced)
+        unit_of, role_of = segment_units(kinds if kinds is not None else ["item"] * len(bounds))
+        lengths = torch.tensor([end - start for start, end in bounds], dtype=torch.long)
+        units = torch.repeat_interleave(torch.tensor(unit_of, dtype=torch.long), lengths)
+        roles = torch.repeat_interleave(torch.tensor(role_of, dtype=torch.long), lengths)
+        return cls(bounds, exact_prefix, forced, units, roles)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +89,24 @@ class Layout:
     @property
     def num_candidates(self) -> int:
         return int(self.candidates().numel())
+
+
+def segment_units(kinds: Sequence[str]) -> tuple[list[int], list[int]]:
+    """Per segment: its unit (a label joins the item after it) and its role (label, header or plain).
+
+    Labels and headers are the FREE segments (kvshard's prompts put ``"A. "`` in its own segment so an
+    item's block is the same whatever letter it gets); a FREE segment followed by an ITEM is that
+    item's label, any other FREE segment is a header.
+    """
+    units, roles = list(range(len(kinds))), [ROLE_PLAIN] * len(kinds)
+    for index, kind in enumerate(kinds):
+        if kind != "free":
+            continue
+        if index + 1 < len(kinds) and kinds[index + 1] == "item":
+            units[index], roles[index] = index + 1, ROLE_LABEL
+        else:
+            roles[index] = ROLE_HEADER
+    return units, roles
 
 
 def keep_count(ratio: float, candidates: int) -> int:
@@ -128,6 +165,27 @@ def boundary_budget(layout: Layout, budget: int, w: int | None = None) -> torch.
 def select_boundary(layout: Layout, w: int) -> torch.Tensor:
     """``boundary``: forced tokens plus the first ``w`` tokens of each blended segment."""
     return union(layout.forced_positions(), boundary_positions(layout, w))
+
+
+def select_tail(layout: Layout, budget: int) -> torch.Tensor:
+    """``tail``: forced tokens plus the last ``budget`` candidates (the rows closest to the question)."""
+    candidates = layout.candidates()
+    keep = max(0, min(budget, int(candidates.numel())))
+    return union(layout.forced_positions(), candidates[candidates.numel() - keep:])
+
+
+def epic_k_for(layout: Layout, budget: int) -> int:
+    """The largest k whose first-k-of-every-block recompute fits ``budget`` candidates (0 if none does)."""
+    longest = max((end - start for start, end in layout.segment_bounds), default=0)
+    k = 0
+    while k < longest and int(boundary_positions(layout, k + 1).numel()) <= budget:
+        k += 1
+    return k
+
+
+def select_epic(layout: Layout, k: int) -> torch.Tensor:
+    """``epic`` (EPIC's LegoLink): forced tokens plus the first ``k`` tokens of every blended block."""
+    return union(layout.forced_positions(), boundary_positions(layout, k))
 
 
 def deviation_scores(
@@ -194,6 +252,7 @@ class Plan:
     checks: tuple[CheckStep, ...]
     deviation_on: DeviationOn
     deviation_weight: DeviationWeight = "none"
+    picker: Picker | None = None  # pick corrections at the check layers; None = plain top-k
 
     def final_count(self) -> int:
         if not self.checks:
@@ -203,10 +262,27 @@ class Plan:
 
 def plan(layout: Layout, settings: BlendSettings) -> Plan:
     """Turn a selector's settings into a :class:`Plan` for ``layout``."""
+    from kvshard_sidecar.engine.corrections import Picker, static_scores
+
     forced_only = layout.forced.clone()
     m = layout.num_candidates
+    budget = keep_count(settings.ratio, m)
     if settings.selector == "none":
         return Plan(select_none(layout), forced_only, (), settings.deviation_on)
+    if settings.selector == "epic":
+        k = settings.epic_k if settings.epic_k is not None else epic_k_for(layout, budget)
+        return Plan(select_epic(layout, k), forced_only, (), settings.deviation_on)
+    if settings.selector == "cacheblend":
+        steps = tuple(CheckStep(layer, budget) for layer in settings.check_layers)
+        return Plan(layout.blendable(), forced_only, steps, "k", "none")
+    picker = Picker(layout, settings) if settings.corrects_picks else None
+    if picker is not None and settings.selector in ("boundary", "tail"):
+        candidates = layout.candidates()
+        chosen = picker(static_scores(layout, settings.selector, candidates), budget,
+                        torch.zeros(candidates.numel(), dtype=torch.bool), candidates)
+        return Plan(union(layout.forced_positions(), candidates[chosen]), forced_only, (), settings.deviation_on)
+    if settings.selector == "tail":
+        return Plan(select_tail(layout, budget), forced_only, (), settings.deviation_on)
     if settings.selector == "boundary":
         if settings.boundary_w is not None:
             return Plan(select_boundary(layout, settings.boundary_w), forced_only, (), settings.deviation_on)
@@ -224,4 +300,5 @@ def plan(layout: Layout, settings: BlendSettings) -> Plan:
         CheckStep(layer, max(0, keep_count(ratio, m) - reserved))
         for layer, ratio in zip(settings.check_layers, settings.ratios, strict=True)
     )
-    return Plan(layout.blendable(), pinned, steps, settings.deviation_on, settings.deviation_weight)
+    return Plan(layout.blendable(), pinned, steps, settings.deviation_on, settings.deviation_weight, picker)
+

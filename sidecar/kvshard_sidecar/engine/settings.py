@@ -3,21 +3,30 @@ exactly which blend they ran.
 
 Every knob the DESIGN (§4) names lives here: the selector, its ratio, the check layers with their
 gradual-filtering schedule, the boundary width, what deviation is measured on, how segment blocks
-are prefilled, and where the engine runs. ``validate`` catches contradictory settings early, with a
-message that names the field, instead of failing deep inside a layer loop.
+are prefilled, the training-free corrections (:mod:`.corrections`: tail weighting, structure-aware
+and segment-granular picking, attention calibration) and where the engine runs. ``validate`` catches
+contradictory settings early, with a message that names the field, instead of failing deep inside a
+layer loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, cast
 
-SelectorName = Literal["none", "boundary", "deviation", "hybrid"]
+from kvshard.blend_policy import DEFAULT_METHOD, DEFAULT_RATIO
+
+SelectorName = Literal["none", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic"]
 DeviationOn = Literal["k", "v", "kv"]
 DeviationWeight = Literal["none", "attention"]
 PrefillContext = Literal["standalone", "system", "neutral"]
+Granularity = Literal["token", "segment"]
 
-SELECTORS: tuple[SelectorName, ...] = ("none", "boundary", "deviation", "hybrid")
+SELECTORS: tuple[SelectorName, ...] = ("none", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic")
+# Selectors that rank every candidate and keep the ratio's budget: the corrections reshape their picks.
+BUDGETED: tuple[SelectorName, ...] = ("boundary", "deviation", "tail")
+DEFAULT_SELECTOR = cast(SelectorName, DEFAULT_METHOD.split("+")[0])
+"""The default method's selector (:data:`kvshard.blend_policy.DEFAULT_METHOD`, the one place defaults live)."""
 
 
 class SettingsError(ValueError):
@@ -31,7 +40,12 @@ class BlendSettings:
     Attributes:
         selector: which tokens are recomputed after the check layers: ``none`` (only the suffix),
             ``boundary`` (first ``boundary_w`` tokens of every blended segment), ``deviation``
-            (top tokens by KV deviation at the check layers) or ``hybrid`` (boundary ∪ deviation).
+            (top tokens by KV deviation at the check layers), ``hybrid`` (boundary ∪ deviation),
+            ``tail`` (the candidates closest to the question: the last ``ratio`` of them), and the two
+            published baselines, reproduced as defined: ``cacheblend`` (LMCache's CacheBlend: K
+            deviation at the check layers, top-r, no gradual narrowing, no attention weighting) and
+            ``epic`` (EPIC's LegoLink: the first ``epic_k`` tokens of every blended block). Both are
+            meant to run on ``standalone`` blocks (:mod:`.methods` presets them so).
         ratio: the final recompute ratio r: the share of *blendable* tokens (those whose cached KV
             is not already exact, i.e. not part of the exact prefix, and not forced) recomputed
             after the last check layer. ``1.0`` reproduces a full prefill.
@@ -50,6 +64,23 @@ class BlendSettings:
             (suffix) queries pay it at the check layer — an estimate of how much its error reaches the
             answer; ``none`` ranks by deviation alone (CacheBlend).
         recompute_free: always recompute FREE segments (tiny labels and headers) like the suffix.
+        epic_k: ``epic``'s k (tokens recomputed at the start of every blended block). ``None`` derives
+            it from ``ratio``: the largest k whose recompute fits the ratio's budget (so r = 1 is
+            full and r = 0 recomputes only the suffix).
+        tail_weight: closeness-to-the-question weighting in ``[0, 1]`` for the budgeted selectors
+            (``boundary``, ``deviation``, ``tail``): a token's priority is ``(1 − w)·rank(score) +
+            w·closeness`` (both in [0, 1]); 0 is the plain selector, 1 is pure ``tail``.
+        structure: structure-aware picking: the ``Candidates:`` header is recomputed first, and a
+            label is recomputed exactly when some of its item is (never alone, never stale beside a
+            fresh item), all inside the ratio's budget.
+        granularity: ``token`` picks tokens; ``segment`` spends the budget on whole label+item units
+            (and the header, the history) in order of their mean priority, so no block is left half
+            fresh and half stale.
+        attention_temperature: APE-style calibration: attention logits to blended rows that were not
+            recomputed are divided by this (1 = off).
+        attention_scale: APE-style calibration: the attention weight of those rows is multiplied by
+            this before normalisation (1 = off). Both are calibrated per model
+            (:mod:`kvshard_sidecar.engine.calibration`).
         prefill_context: how segment blocks are prefilled: ``standalone`` (each at position 0, as in
             CacheBlend), ``system`` (behind the prompt's system segment, which is then an exact
             prefix, and so is the first segment after it) or ``neutral`` (like ``system`` for the
@@ -61,14 +92,20 @@ class BlendSettings:
         threads: torch intra-op threads; ``None`` leaves torch's default.
     """
 
-    selector: SelectorName = "boundary"  # best measured kl at r = 0.15 with system-prefixed blocks
-    ratio: float = 0.15
+    selector: SelectorName = DEFAULT_SELECTOR  # the measured default: kvshard.blend_policy
+    ratio: float = DEFAULT_RATIO
     check_layers: tuple[int, ...] = (1,)
     schedule: tuple[float, ...] = ()
     boundary_w: int | None = None
     deviation_on: DeviationOn = "kv"
     deviation_weight: DeviationWeight = "none"
     recompute_free: bool = False
+    epic_k: int | None = None
+    tail_weight: float = 0.0
+    structure: bool = False
+    granularity: Granularity = "token"
+    attention_temperature: float = 1.0
+    attention_scale: float = 1.0
     prefill_context: PrefillContext = "system"
     neutral_context: tuple[int, ...] = ()
     device: str = "cpu"
@@ -88,7 +125,16 @@ class BlendSettings:
 
     @property
     def uses_deviation(self) -> bool:
-        return self.selector in ("deviation", "hybrid")
+        return self.selector in ("deviation", "hybrid", "cacheblend")
+
+    @property
+    def corrects_picks(self) -> bool:
+        """Whether a pick correction (tail weighting, structure, segment granularity) is on."""
+        return self.tail_weight > 0 or self.structure or self.granularity == "segment"
+
+    @property
+    def calibrates_attention(self) -> bool:
+        return self.attention_temperature != 1.0 or self.attention_scale != 1.0
 
     def validate(self, num_layers: int | None = None) -> None:
         """Raise :class:`SettingsError` on settings that cannot run."""
@@ -106,6 +152,26 @@ class BlendSettings:
             )
         if (self.prefill_context == "neutral") != bool(self.neutral_context):
             raise SettingsError("neutral_context (token ids) is required by, and only used in, 'neutral' mode")
+        if self.epic_k is not None and self.epic_k < 0:
+            raise SettingsError(f"epic_k must be >= 0, got {self.epic_k}")
+        if not 0.0 <= self.tail_weight <= 1.0:
+            raise SettingsError(f"tail_weight must be in [0, 1], got {self.tail_weight}")
+        if self.granularity not in ("token", "segment"):
+            raise SettingsError(f"granularity must be 'token' or 'segment', got {self.granularity!r}")
+        if self.corrects_picks and self.selector not in BUDGETED:
+            raise SettingsError(
+                f"tail_weight, structure and segment granularity reshape the picks of {', '.join(BUDGETED)}; "
+                f"selector {self.selector!r} has no budgeted ranking to reshape"
+            )
+        if self.corrects_picks and self.selector == "boundary" and self.boundary_w is not None:
+            raise SettingsError("pick corrections need boundary's budget form (boundary_w unset)")
+        if self.selector == "cacheblend" and self.schedule:
+            raise SettingsError("cacheblend keeps one ratio at its check layers (no gradual filtering): "
+                                "schedule must be empty")
+        for name in ("attention_temperature", "attention_scale"):
+            value = getattr(self, name)
+            if not (0.05 <= value <= 20.0):
+                raise SettingsError(f"{name} must be in [0.05, 20], got {value}")
         if self.boundary_w is not None and self.boundary_w < 0:
             raise SettingsError(f"boundary_w must be >= 0, got {self.boundary_w}")
         layers = self.check_layers
