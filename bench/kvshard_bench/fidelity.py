@@ -49,7 +49,7 @@ from kvshard_sidecar.engine.methods import method_settings as named_settings
 
 Row = dict[str, Any]
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.3)
-DEFAULT_METHODS = ("none", "boundary", "deviation", "hybrid", "cacheblend", "epic")
+DEFAULT_METHODS = ("none", "tail", "boundary", "deviation", "hybrid", "cacheblend", "epic")
 PREFIX_RATIO = -1.0  # samples key for ``prefix``; its row reports the measured recompute ratio
 
 

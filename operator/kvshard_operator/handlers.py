@@ -9,7 +9,10 @@
 * a rebalance timer re-replicates hot clusters and drops cold replicas once per
   ``spec.rebalance.intervalSeconds``, from Prometheus rates (:mod:`rebalancer`);
 * a warm timer follows the pods' warm reports in etcd into the ``Warm`` condition and the
-  ``warmPods``/``warmClusters`` counts (:mod:`warmth`).
+  ``warmPods``/``warmClusters`` counts (:mod:`warmth`);
+* a catalog timer re-reads ``spec.catalog`` every ``spec.catalog.refreshSeconds`` (ConfigMap edited,
+  file replaced, URL content changed) and re-places when it changed: polling, because a file and a URL
+  cannot be watched, and one mechanism is easier to reason about than three.
 
 Settings are read from the environment (:class:`~kvshard_operator.settings.Settings`) when this
 module is imported, because kopf fixes timer intervals at registration.
@@ -17,6 +20,7 @@ module is imported, because kopf fixes timer intervals at registration.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -26,9 +30,17 @@ from typing import Any
 import kopf
 
 from kvshard import etcd_store
+from kvshard_operator import catalog, crd, guard, kube, metrics, rebalancer, validation, warmth
 from kvshard_operator import conditions as cond
-from kvshard_operator import crd, kube, metrics, rebalancer, validation, warmth
-from kvshard_operator.reconcile import PodView, ShardState, ready_pods, reconcile
+from kvshard_operator.reconcile import (
+    EtcdAccess,
+    PodView,
+    ShardState,
+    etcd_access,
+    etcd_error_kind,
+    ready_pods,
+    reconcile,
+)
 from kvshard_operator.settings import Settings
 
 SETTINGS = Settings.from_env()
@@ -86,14 +98,17 @@ def _pods(index: PodIndex | None, namespace: str | None) -> list[PodView]:
 async def _place(
     trigger: str, *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
     patch: kopf.Patch, memo: Any, pod_index: PodIndex | None, logger: kopf.Logger,
+    preloaded: catalog.Catalog | catalog.CatalogError | None = None,
 ) -> None:
     state = _state(memo)
     async with state.lock:
+        state.catalog_checked_at = time.monotonic()
         outcome = await reconcile(
             namespace=str(namespace), name=name, spec=dict(spec), status=dict(status),
             generation=meta.get("generation"), pods=_pods(pod_index, namespace), settings=SETTINGS, state=state,
             trigger=trigger, logger=logger,
-            read_configmap=kube.read_configmap, read_secret=kube.read_etcd_credentials,
+            read_configmap=kube.read_configmap, read_secret=kube.read_secret,
+            read_secret_key=kube.read_secret_key, preloaded=preloaded,
         )
     published = outcome.published
     if published is not None and published != status.get("placementGeneration"):
@@ -157,6 +172,36 @@ async def follow_pods(
                  status=status, meta=meta, patch=patch, memo=memo, pod_index=pod_index, logger=logger)
 
 
+@kopf.timer(*RESOURCE, interval=SETTINGS.catalog_check_seconds, initial_delay=SETTINGS.catalog_check_seconds)
+async def follow_catalog(
+    *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+) -> None:
+    """Re-read the catalog once per ``spec.catalog.refreshSeconds``; re-place when what it holds
+    (its version, or the error reading it) differs from what the last placement saw."""
+    source = spec.get("catalog") or {}
+    state = _state(memo)
+    if "builtin" in source or state.lock.locked() or state.catalog_seen is None:
+        return  # built-ins never change; before the first placement the change handlers own the shard
+    refresh = float(source.get("refreshSeconds") or 60)
+    if state.catalog_checked_at is not None and time.monotonic() - state.catalog_checked_at < refresh:
+        return
+    state.catalog_checked_at = time.monotonic()
+    found: catalog.Catalog | catalog.CatalogError
+    try:
+        loaded = await asyncio.to_thread(catalog.load_catalog, dict(source), str(namespace), kube.read_configmap,
+                                         kube.read_secret_key)
+        found, seen = loaded, loaded.version
+    except catalog.CatalogError as exc:
+        found, seen = exc, f"error: {exc}"
+    if seen == state.catalog_seen:
+        return
+    logger.info("catalog changed (%s); re-placing", seen if isinstance(found, catalog.CatalogError)
+                else f"version {seen[:12]}, {len(found)} items")
+    await _place("catalog", namespace=namespace, name=name, spec=spec, status=status, meta=meta, patch=patch,
+                 memo=memo, pod_index=pod_index, logger=logger, preloaded=found)
+
+
 @kopf.timer(*RESOURCE, interval=SETTINGS.rebalance_check_seconds, initial_delay=SETTINGS.rebalance_check_seconds)
 async def rebalance(
     *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
@@ -176,10 +221,31 @@ async def rebalance(
         outcome = await rebalancer.rebalance_shard(
             namespace=str(namespace), name=name, spec=dict(spec), status=dict(status),
             generation=meta.get("generation"), settings=SETTINGS, state=state, logger=logger,
-            read_secret=kube.read_etcd_credentials)
+            read_secret=kube.read_secret)
     if outcome is not None and _changed(status, outcome.status):
         # against the freshest object: this tick's ``status`` may predate a placement just published
         patch.fns.append(functools.partial(cond.merge_status, fields=outcome.status, owned=(cond.REBALANCING,),
+                                           observed_generation=meta.get("generation")))
+
+
+@kopf.timer(*RESOURCE, interval=SETTINGS.fidelity_check_seconds, initial_delay=SETTINGS.fidelity_check_seconds)
+async def follow_fidelity(
+    *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, **_: Any,
+) -> None:
+    """The blend in force: publish ``spec.blend`` to etcd and, with ``spec.fidelity``, steer the ratio
+    to the agreement target once per interval (:mod:`guard`); ``FidelityMet`` is written as a patch
+    function so it never overwrites what a concurrent reconcile wrote."""
+    if not status.get("placementGeneration"):
+        return  # nothing published yet: the change handlers own the shard until then
+    state = getattr(memo, "kvshard_guard", None)
+    if state is None:
+        state = memo.kvshard_guard = guard.GuardState()
+    outcome = await guard.guard_shard(namespace=str(namespace), name=name, spec=dict(spec), status=dict(status),
+                                      generation=meta.get("generation"), settings=SETTINGS, state=state,
+                                      logger=logger, now=time.time(), read_secret=kube.read_secret)
+    if outcome is not None and _changed(status, outcome.status):
+        patch.fns.append(functools.partial(cond.merge_status, fields=outcome.status, owned=(guard.FIDELITY_MET,),
                                            observed_generation=meta.get("generation")))
 
 
@@ -197,7 +263,7 @@ async def follow_warm(
     except validation.InvalidCacheShardError:
         return  # the change handlers report the spec
     found = await warmth.observe(namespace=str(namespace), name=name, spec=valid, settings=SETTINGS,
-                                 read_secret=kube.read_etcd_credentials)
+                                 read_secret=kube.read_secret)
     if not warmth.current(status, found):
         if found.status != (cond.get(status.get("conditions"), cond.WARM) or {}).get("status"):
             logger.info("Warm=%s (%s): %s", found.status, found.reason, found.message)
@@ -211,19 +277,16 @@ async def delete_shard(*, namespace: str | None, name: str, spec: kopf.Spec, log
     endpoints = (spec.get("etcd") or {}).get("endpoints") or []
     if not endpoints:
         return
-    username = password = None
-    ref = (spec.get("etcd") or {}).get("secretRef")
-    if ref:
-        try:
-            username, password = kube.read_etcd_credentials(str(namespace), ref["name"])
-        except ValueError as exc:
-            logger.warning("cannot read etcd credentials (%s); trying without", exc)
     try:
-        async with etcd_store.EtcdStore(endpoints, username=username, password=password,
-                                        timeout=SETTINGS.etcd_timeout_seconds, attempts=1) as store:
+        access = await etcd_access(spec, str(namespace), kube.read_secret)
+    except (ValueError, KeyError, TypeError) as exc:  # the spec is not validated on delete
+        logger.warning("cannot read the etcd Secrets (%s); trying without", exc)
+        access = EtcdAccess(tuple(endpoints))
+    try:
+        async with access.store(timeout=SETTINGS.etcd_timeout_seconds) as store:
             deleted = await store.delete_all(str(namespace), name)
     except etcd_store.EtcdStoreError as exc:
-        metrics.PUBLISH_ERRORS.labels("unavailable").inc()
+        metrics.PUBLISH_ERRORS.labels(etcd_error_kind(exc)).inc()
         delay = min(SETTINGS.retry_backoff_seconds * 2 ** retry, SETTINGS.retry_backoff_max)
         raise kopf.TemporaryError(f"etcd unavailable, keys kept: {exc}", delay=delay) from exc
     if _has_gauge(str(namespace), name):

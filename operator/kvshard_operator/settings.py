@@ -42,6 +42,9 @@ class Settings:
     """How often each CacheShard compares its ready pods with the published placement."""
     warm_check_seconds: float = 2.0
     """How often each CacheShard reads its pods' warm reports from etcd (the ``Warm`` condition)."""
+    catalog_check_seconds: float = 5.0
+    """Tick of the catalog timer; a CacheShard re-reads its catalog source on the first tick after its
+    own ``spec.catalog.refreshSeconds`` has passed, and re-places only when the catalog changed."""
     etcd_timeout_seconds: float = 5.0
     """Deadline of each etcd call; when it passes the shard is Degraded and retried with backoff."""
     retry_backoff_seconds: float = 2.0
@@ -54,6 +57,9 @@ class Settings:
     rebalance_window_seconds: float = 0.0
     """PromQL ``rate()`` window of the rebalancer; 0 means each CacheShard's interval. Keep it at
     least 4× the Prometheus scrape interval so every rate has several samples."""
+    fidelity_check_seconds: float = 5.0
+    """Tick of the fidelity guard timer: how soon a spec.blend change reaches etcd, and how late a
+    CacheShard's ``spec.fidelity.intervalSeconds`` decision may start."""
     prometheus_timeout_seconds: float = 5.0
     """Deadline of each Prometheus query; when it passes the interval is skipped (PrometheusUnavailable)."""
 

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshard.request_errors import RequestError, error_body
 from kvshard.segments import is_block_key
+from kvshard_sidecar.drain import Drain
 from kvshard_sidecar.follower import PlacementFollower
 from kvshard_sidecar.peers import TOKEN_HEADER, bearer
 from kvshard_sidecar.service import SidecarService, WarmUnit
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 SERVICE = web.AppKey("service", SidecarService)
 FOLLOWER = web.AppKey("follower", PlacementFollower)
+DRAIN = web.AppKey("drain", Drain)
+LOOPBACK = frozenset({"127.0.0.1", "::1"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 1 << 20
 
@@ -95,15 +98,22 @@ async def recommend(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     if not service.ready:
         return _error(503, "service", "the model is still loading", {"Retry-After": "5"})
+    request.app[DRAIN].arrived()
     call = parse_recommend(await _json_body(request), service.items, service.limits, service.blend_defaults)
     admission: Admission = request.app["admission"]
     if not admission.try_enter():
         return _error(429, "service", "at capacity, retry shortly", {"Retry-After": "1"})
+    pressure = service.metrics.pressure
+    pressure.arrived()
+    started = False
     try:
         async with request.app["compute"]:
+            pressure.started()
+            started = True
             result = await asyncio.get_running_loop().run_in_executor(
                 request.app["pool"], service.recommend, call)
     finally:
+        pressure.left(started=started)
         admission.leave()
     return web.json_response(result)
 
@@ -155,11 +165,32 @@ async def healthz(request: web.Request) -> web.StreamResponse:
 
 async def readyz(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
+    if request.app[DRAIN].draining:
+        return _error(503, "service", "draining: this pod is leaving")
     if service.load_error:
         return _error(503, "model", f"failed to load: {service.load_error}")
     if not service.ready:
         return _error(503, "model", "loading")
     return web.json_response({"status": "ready", "model": service.model_name, "pod": service.settings.name})
+
+
+async def drain(request: web.Request) -> web.StreamResponse:
+    """Leave routing and wait for the requests inside (:mod:`kvshard_sidecar.drain`); for the
+    ``preStop`` hook, so loopback only and a GET (what an ``httpGet`` hook can send)."""
+    if request.remote not in LOOPBACK:
+        return _error(403, "client", "drain is only accepted from loopback (the pod's own preStop hook)")
+    try:
+        timeout = float(request.query.get("timeout", "60"))
+    except ValueError:
+        return _error(400, "timeout", "not a number of seconds")
+    follower = request.app.get(FOLLOWER)
+
+    async def withdraw() -> None:
+        if follower is not None:
+            await follower.stop()
+
+    answer = await request.app[DRAIN].run(withdraw, timeout=max(0.0, timeout))
+    return web.json_response(answer, status=200 if answer["drained"] else 504)
 
 
 async def warm_state(request: web.Request) -> web.StreamResponse:
@@ -179,6 +210,7 @@ def build_app(service: SidecarService) -> web.Application:
     app[SERVICE] = service
     app["admission"] = Admission(service.settings.max_concurrency, service.settings.max_queue)
     app["compute"] = asyncio.Semaphore(service.settings.max_concurrency)
+    app[DRAIN] = Drain(lambda: app["admission"].inside, settle_seconds=service.settings.drain_settle_seconds)
     app["pool"] = ThreadPoolExecutor(max_workers=service.settings.max_concurrency, thread_name_prefix="engine")
     app.router.add_post("/v1/recommend", recommend)
     app.router.add_post("/v1/blocks/prefill", prefill)
@@ -187,6 +219,7 @@ def build_app(service: SidecarService) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/warm", warm_state)
+    app.router.add_get("/v1/drain", drain)
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
     return app
@@ -207,8 +240,10 @@ async def _start(app: web.Application) -> None:
         log.info("sidecar %s ready in %.1f s (model %s)", service.settings.name,
                  time.perf_counter() - started, service.model_name)
         service.prefill_queue.start(loop, app["pool"], app["compute"])
+        admission: Admission = app["admission"]
+        service.shadow.start(app["pool"], app["compute"], busy=lambda: admission.inside > 0)
         history = service.history_users(service.settings.warm_history_users)
-        if service.settings.etcd_endpoints:  # the follower queues history behind its first clusters
+        if service.settings.etcd_endpoints and not app[DRAIN].draining:  # history queues behind clusters
             follower = PlacementFollower(service, history)
             app[FOLLOWER] = follower
             follower.start()
@@ -225,5 +260,6 @@ async def _stop(app: web.Application) -> None:
     if follower is not None:
         await follower.stop()
     await service.prefill_queue.stop()
+    await service.shadow.stop()
     app["pool"].shutdown(wait=True, cancel_futures=True)
     service.close()

@@ -2,11 +2,19 @@
 
 The HTTP layer (``app.py``) validates and admits; this module owns the model, the block store and
 the blend engine, and is called from one worker thread at a time, so the engine needs no locks.
+
+The catalog and the prompt template come from the followed CacheShard: the placement generation
+names a catalog version and carries ``spec.prompt``, and :meth:`SidecarService.use_catalog` switches
+to them (while no request computes). ``--dataset`` is the catalog of a sidecar that follows nothing,
+and of one whose generations name no catalog (written by an operator older than catalog versions).
+Items a request brings inline (``{"id", "text"}``) and the catalog lacks are *cold items*: their
+blocks are computed on the request, stored like any other, and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -16,18 +24,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvshard.datasets import Dataset, Item, load_dataset
+from kvshard.blend_policy import BlendPolicy
+from kvshard.catalog_schema import Catalog
+from kvshard.datasets import Dataset, DatasetError, Item, load_dataset
+from kvshard.prompt_template import PromptTemplate
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
 from kvshard.ranking import rank_candidates
 from kvshard.request_errors import RequestError
 from kvshard.segments import Prompt
 from kvshard_sidecar.adapter_merge import resolve_model
 from kvshard_sidecar.blockstore import BlockStore, encode_block
+from kvshard_sidecar.engine.methods import method_settings
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.exchange import KVExchange
 from kvshard_sidecar.metrics import SidecarMetrics
 from kvshard_sidecar.peers import HoldersOf, PeerFetcher, PlacementHolders, static_holders
+from kvshard_sidecar.pressure import PressureTracker
 from kvshard_sidecar.settings import SidecarSettings
+from kvshard_sidecar.shadow import ShadowChecker
 from kvshard_sidecar.validation import Limits, RecommendCall
 from kvshard_sidecar.vllm_client import Completion, VllmClient
 
@@ -50,15 +64,26 @@ class SidecarService:
         self.store = BlockStore(settings.memory_bytes, settings.disk_root, settings.disk_bytes, fetcher)
         self.model_path = resolve_model(settings.model)
         self.model_name = self.model_path.name
-        self.metrics = SidecarMetrics(self.model_name, self.store.stats, cacheshard=settings.cacheshard)
+        self.metrics = SidecarMetrics(self.model_name, self.store.stats, cacheshard=settings.cacheshard,
+                                      pressure=PressureTracker(settings.max_concurrency, settings.ttft_target_seconds,
+                                                               settings.pressure_window_seconds))
         self.prefill_queue = PrefillQueue(self)
         self.ready = False
         self.load_error = ""
         self.items: Mapping[str, Item] = {}
         self.users: Mapping[str, list[str]] = {}
-        self.blend_defaults = BlendSettings(selector=settings.selector,  # type: ignore[arg-type]
-                                            ratio=settings.ratio, device=settings.device, dtype=settings.dtype)
+        self.blend_policy = BlendPolicy(settings.method, settings.ratio, settings.shadow_sample_rate, "Flags")
+        """The blend settings in force: the flags', until the followed CacheShard publishes its own."""
+        self.blend_defaults = self._blend_settings(self.blend_policy)
+        self.shadow = ShadowChecker(self.metrics, self._full_logits, budget_share=settings.shadow_budget_percent / 100,
+                                    sample_rate=self.blend_policy.sample_rate)
+        self.shadow.announce(self.blend_policy.method, self.blend_policy.ratio)
         self.item_block_keys: Mapping[str, str] = {}
+        self.catalog_version = ""
+        """The catalog version in use ("" = ``--dataset``)."""
+        self.prompt_spec: Mapping[str, str] = {}
+        """``spec.prompt`` in use ({} = the default template)."""
+        self._identity: Any = None
         self._dataset: Dataset | None = None
         self._builder: PromptBuilder | None = None
         self._engine: Any = None
@@ -74,12 +99,21 @@ class SidecarService:
         from kvshard_sidecar.engine.blend import BlendEngine
         from kvshard_sidecar.model import load_model
 
-        self._dataset = load_dataset(self.settings.dataset)
+        try:
+            self._dataset = load_dataset(self.settings.dataset)
+        except DatasetError as error:
+            if not self.settings.etcd_endpoints:
+                raise
+            # following a CacheShard, the catalog comes with the first generation
+            log.warning("--dataset %s not loaded (%s); waiting for the CacheShard's catalog", self.settings.dataset,
+                        error)
+            self._dataset = Dataset(name="empty", items={})
         self.items, self.users = self._dataset.items, self._dataset.histories
         loaded = load_model(self.model_path, dtype=self.settings.dtype, device=self.settings.device)
         self.model_name = loaded.identity.name
         self.metrics.model_name = self.model_name
         self._builder = PromptBuilder(loaded.tokenizer, self._dataset)
+        self._identity = loaded.identity
         self._engine = BlendEngine(loaded.model, loaded.identity, self.store, self.blend_defaults)
         eos = loaded.tokenizer.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
@@ -90,6 +124,7 @@ class SidecarService:
         self.context_tokens = min(context, self.settings.max_prompt_tokens or context)
         self.tokenizer = loaded.tokenizer
         self.item_block_keys = self._item_keys()
+        self.metrics.catalog_items.labels(self.model_name).set(len(self.items))
         if self.holders is not None:
             self.holders.set_item_keys({key: item for item, key in self.item_block_keys.items()})
         self.metrics.ready.labels(self.model_name).set(1)
@@ -100,13 +135,91 @@ class SidecarService:
         assert self._builder is not None, "load() first"
         return self._builder
 
+    def use_catalog(self, catalog: Catalog, version: str, prompt: Mapping[str, str]) -> None:
+        """Serve ``catalog`` (version ``version``) under the template ``prompt`` (``spec.prompt``).
+
+        Runs in the worker thread while no request computes (the caller holds the compute slot).
+        Block keys are recomputed only for items whose text or fields changed, unless the template
+        changed: then every key changes (the template's fingerprint is part of the model identity).
+        """
+        template = PromptTemplate.from_spec(prompt)
+        old_builder, old_keys = self.builder, self.item_block_keys
+        items = catalog.items()
+        dataset = Dataset(name=f"catalog-{version[:12]}", items=items)
+        builder = PromptBuilder(self.tokenizer, dataset, template=template)
+        identity = dataclasses.replace(self._identity, template=template.fingerprint)
+        same_template = old_builder.template == template
+        self._engine.identity = identity
+        self._builder, self._dataset = builder, dataset
+        old_items = old_builder.dataset.items
+        system = builder.system_segment
+        keys: dict[str, str] = {}
+        for item_id, item in items.items():
+            prior = old_items.get(item_id) if same_template else None
+            if prior is not None and prior.text == item.text and dict(prior.fields) == dict(item.fields) \
+                    and item_id in old_keys:
+                keys[item_id] = old_keys[item_id]
+            else:
+                keys[item_id] = self._engine.block_keys(Prompt.of([system, builder.item_segment(item_id)]))[1]
+        self.items, self.users = items, {}
+        self.item_block_keys = keys
+        self.metrics.catalog_items.labels(self.model_name).set(len(items))
+        self.catalog_version, self.prompt_spec = version, dict(prompt)
+        if self.holders is not None:
+            self.holders.set_item_keys({key: item for item, key in keys.items()})
+        log.info("catalog version %s: %d items, template %s", version[:12], len(items),
+                 template.fingerprint or "default")
+
+    def _blend_settings(self, policy: BlendPolicy) -> BlendSettings:
+        """The engine settings of a blend policy on this sidecar's device (``--selector``, when given,
+        replaces the method's selector: the flag of sidecars older than named methods)."""
+        base = BlendSettings(device=self.settings.device, dtype=self.settings.dtype)
+        if self.settings.selector and policy.reason == "Flags":
+            return base.with_(selector=self.settings.selector, ratio=policy.ratio)
+        return method_settings(policy.method, policy.ratio, base)
+
+    def use_blend(self, policy: BlendPolicy) -> None:
+        """Make ``policy`` the blend in force (the followed CacheShard's; event loop, between requests:
+        a request parsed before keeps the settings it was parsed with). Settings this model cannot run
+        are refused with a log line and the previous ones stay."""
+        try:
+            settings = self._blend_settings(policy)
+            settings.validate(self._engine.executor.shape.num_layers if self._engine is not None else None)
+        except ValueError as error:
+            log.error("blend %s r=%g not applied: %s", policy.method, policy.ratio, error)
+            return
+        if not policy.same_settings(self.blend_policy):
+            log.info("blend in force: %s r=%g, shadow sample rate %g (%s)", policy.method, policy.ratio,
+                     policy.sample_rate, policy.reason)
+        self.blend_policy, self.blend_defaults = policy, settings
+        self.shadow.sample_rate = policy.sample_rate
+        self.shadow.announce(policy.method, policy.ratio)
+
+    def _full_logits(self, prompt: Prompt) -> Any:
+        """First-token logits of a full prefill (the shadow check's reference; worker thread)."""
+        return self._engine.full(prompt).logits
+
+    def _offer_shadow(self, built: RecommendationPrompt, call: RecommendCall, result: Any) -> None:
+        """Sample a request blended with the settings in force for a shadow check (embedded engine)."""
+        if self._vllm is None and call.blend == self.blend_defaults:
+            policy = self.blend_policy
+            self.shadow.offer(built.prompt, tuple(built.label_token_ids), result.logits, policy.method, policy.ratio)
+
     def build(self, call: RecommendCall) -> RecommendationPrompt:
         request = RecommendationRequest(call.user_id, call.history, call.candidates)
-        if call.instruction is None:
-            built = self.builder.build(request)
-        else:
-            built = PromptBuilder(self.tokenizer, self.builder.dataset,
-                                  question="\n" + call.instruction.strip()).build(request)
+        builder = self.builder
+        inline = {item_id: item for item_id, item in call.inline.items() if item_id not in builder.dataset.items}
+        try:
+            if call.instruction is None:
+                built = builder.build(request, inline)
+            else:
+                built = PromptBuilder(self.tokenizer, builder.dataset, question="\n" + call.instruction.strip(),
+                                      template=builder.template).build(request, inline)
+        except KeyError as error:  # an inline item without a field the template's item line uses
+            raise RequestError("candidates", f"{error.args[0]}: spec.prompt.itemFormat "
+                               f"{builder.template.item_format!r} needs it", status=422) from None
+        if inline:
+            self.metrics.cold_items.labels(self.model_name).inc(len(inline))
         if len(built.prompt) + call.max_tokens > self.context_tokens:
             raise RequestError("history", f"the prompt has {len(built.prompt)} tokens; with max_tokens it must "
                                f"fit the {self.context_tokens} tokens this sidecar serves", status=413)
@@ -132,6 +245,7 @@ class SidecarService:
                 "logprobs": [{"token_id": t, "token": self.tokenizer.decode([t]), "logprob": round(v, 6)}
                              for t, v in top.items()]}
         self._record(result, ttft_s)
+        self._offer_shadow(built, call, result)
         return {
             **answer,
             "engine": self.settings.engine,
@@ -199,6 +313,7 @@ class SidecarService:
     def _record(self, result: Any, ttft_s: float) -> None:
         metrics, name = self.metrics, self.model_name
         metrics.ttft.labels(name).observe(ttft_s)
+        metrics.pressure.observe_ttft(ttft_s)
         metrics.recompute_ratio.labels(name).observe(result.recompute_ratio)
         for kind, count in result.query_tokens.items():
             metrics.query_tokens.labels(name, kind).inc(count)
@@ -294,6 +409,8 @@ class PrefillQueue:
         self._order = itertools.count()
         self._pending_blocks = 0
         self._task: asyncio.Task[None] | None = None
+        self._pool: Executor | None = None
+        self._compute = asyncio.Semaphore(1)
 
     def submit(self, items: Iterable[str], users: Iterable[str]) -> int:
         """Queue items and users one block each (``POST /v1/blocks/prefill``); returns blocks pending."""
@@ -315,7 +432,14 @@ class PrefillQueue:
         self._service.metrics.prefill_pending.labels(self._service.model_name).set(self._pending_blocks)
 
     def start(self, loop: asyncio.AbstractEventLoop, pool: Executor, compute: asyncio.Semaphore) -> None:
+        self._pool, self._compute = pool, compute
         self._task = loop.create_task(self._run(pool, compute))
+
+    async def exclusive(self, work: Callable[..., Any], *args: Any) -> Any:
+        """Run ``work(*args)`` in the worker pool holding the compute semaphore, so no request or
+        prefill unit runs meanwhile (a catalog switch replaces the builder and the engine's identity)."""
+        async with self._compute:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, work, *args)
 
     async def _run(self, pool: Executor, compute: asyncio.Semaphore) -> None:
         loop = asyncio.get_running_loop()

@@ -75,7 +75,7 @@ def test_values_schema_rejects_an_unknown_key(helm_bin: Path, setting: str) -> N
         render(helm_bin, sets=[setting])
 
 
-@pytest.mark.parametrize("setting", ["engine.sidecar.selector=everything", "etcd.replicas=2",
+@pytest.mark.parametrize("setting", ["engine.sidecar.memoryBytes=-1", "etcd.replicas=2",
                                      "engine.exchangeDir=/tmp/exchange", "router.policy=fastest",
                                      "cacheShard.name=Movies_Prod", "engine.sidecar.warmHistoryUsers=-1"])
 def test_values_schema_rejects_a_bad_value(helm_bin: Path, setting: str) -> None:
