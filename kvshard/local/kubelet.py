@@ -58,14 +58,40 @@ class Kubelet:
     def start(self) -> None:
         """Create the Pod objects (not ready yet) and start following the processes."""
         for pod in self.pods.values():
-            self.api.create(PODS.format(ns=self.namespace), {
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": pod.name, "namespace": self.namespace, "labels": self.labels,
-                             "annotations": {"kvshard.io/url": pod.url}},
-                "spec": {"restartPolicy": "Always", "containers": [{"name": "sidecar", "image": "kvshard"}]},
-            })
-            self._publish(pod, False, 0)
+            self._create(pod)
         self._thread.start()
+
+    def _create(self, pod: PodProcess) -> None:
+        self.api.create(PODS.format(ns=self.namespace), {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": self.namespace, "labels": self.labels,
+                         "annotations": {"kvshard.io/url": pod.url}},
+            "spec": {"restartPolicy": "Always", "containers": [{"name": "sidecar", "image": "kvshard"}]},
+        })
+        self._publish(pod, False, 0)
+
+    def add(self, pod: PodProcess) -> None:
+        """A pod more (a StatefulSet scaled up): its Pod object, then its process, then followed."""
+        with self.lock:
+            if pod.name in self.pods:
+                raise ValueError(f"pod {pod.name} exists")
+            self._create(pod)
+            pod.process.start(wait=False)
+            self.pods[pod.name] = pod
+        log.info("pod %s created", pod.name)
+
+    def remove(self, name: str, grace: float = 10.0) -> PodProcess:
+        """Stop following a pod, stop its process and delete its Pod object (scaled down); the
+        caller drains it first, as a preStop hook does."""
+        with self.lock:
+            pod = self.pods.pop(name)
+        pod.process.stop(grace)
+        try:
+            self.api.delete(PODS.format(ns=self.namespace) + f"/{name}")
+        except KubeApiError as exc:
+            log.warning("could not delete pod %s: %s", name, exc)
+        log.info("pod %s deleted", name)
+        return pod
 
     def stop(self) -> None:
         """Stop following (processes are left to their owner); idempotent."""
@@ -88,6 +114,8 @@ class Kubelet:
             for pod in list(self.pods.values()):
                 if self._stop.is_set():
                     break
+                if pod.name not in self.pods:  # removed meanwhile
+                    continue
                 try:
                     self.sync(pod)
                 except (KubeApiError, OSError) as exc:
@@ -97,6 +125,8 @@ class Kubelet:
     def sync(self, pod: PodProcess) -> None:
         """One probe: restart a dead process when its back-off is over, publish readiness changes."""
         with self.lock:
+            if self.pods.get(pod.name) is not pod:  # removed (scaled down): nothing to restart or publish
+                return
             running = pod.process.running
             if not running and pod.restart_at is None:
                 pod.restarts += 1

@@ -3,9 +3,14 @@
 The CacheShard starts from ``cacheshard-local.yaml`` beside this module (a local variant of
 ``crds/examples/cacheshard-minimal.yaml``) or from a user's YAML, and only the fields that depend on
 this run are overwritten: where etcd and Prometheus listen, and — for the generated one — the
-catalog, the cluster count and the rebalance interval. Prometheus scrapes every process the cluster
-runs; sidecar targets carry a static ``pod`` label (the rebalancer joins hit rates on it) while the
-router's target carries none, because the router's own samples already name the pod they count.
+catalog (with its refresh interval), the prompt, the cluster count and the rebalance interval. So
+``kvshard up --dataset items.jsonl --prompt prompt.yaml`` serves a user's own catalog under their
+own prompt with no sidecar setting: the sidecars learn both from the CacheShard. A prompt file is
+checked here, before anything starts, with the same rules the operator applies.
+
+Prometheus scrapes every process the cluster runs; sidecar targets carry a static ``pod`` label
+(the rebalancer joins hit rates on it) while the router's target carries none, because the
+router's own samples already name the pod they count.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import yaml
 
 from kvshard.datasets import BUILTIN_DATASETS
+from kvshard.prompt_template import PromptTemplate, TemplateError
 
 TEMPLATE = Path(__file__).with_name("cacheshard-local.yaml")
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
@@ -31,6 +37,25 @@ def catalog_source(dataset: str) -> dict[str, Any]:
     path = Path(dataset).expanduser().resolve()
     items = path / "items.jsonl" if path.is_dir() else path
     return {"file": {"path": str(items)}}
+
+
+def load_prompt(path: Path) -> dict[str, str]:
+    """``spec.prompt`` from a YAML (or JSON) file holding its fields (``systemText``, ``itemFormat``,
+    …), checked as the operator checks it; ``ValueError`` naming the file and the field otherwise."""
+    try:
+        obj = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"prompt file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"prompt file {path}: not YAML ({exc})") from None
+    if not isinstance(obj, dict) or not obj:
+        raise ValueError(f"prompt file {path}: expected a mapping of spec.prompt fields (systemText, historyHeader, "
+                         "candidatesHeader, question, itemFormat)")
+    try:
+        template = PromptTemplate.from_spec(obj)
+    except (TemplateError, TypeError) as exc:
+        raise ValueError(f"prompt file {path}: {exc}") from None
+    return {spec: value for spec, value in template.as_spec().items() if spec in obj}
 
 
 def load_cacheshard(path: Path | None = None) -> dict[str, Any]:
@@ -51,10 +76,12 @@ def load_cacheshard(path: Path | None = None) -> dict[str, Any]:
 
 def local_cacheshard(base: Mapping[str, Any], *, namespace: str, etcd_endpoint: str, prometheus_url: str,
                      generated: bool, dataset: str = "movielens-100k", clusters: int = 12,
-                     rebalance_interval_seconds: int = 15, etcd_tls_secret: str | None = None) -> dict[str, Any]:
+                     rebalance_interval_seconds: int = 15, etcd_tls_secret: str | None = None,
+                     prompt: Mapping[str, str] | None = None, catalog_refresh_seconds: int = 10) -> dict[str, Any]:
     """``base`` pointed at this run's etcd (over TLS with the client certificate in the Secret
-    ``etcd_tls_secret``, when given) and Prometheus; ``generated`` also sets catalog, clusters and
-    the rebalance interval (a user's YAML keeps its own)."""
+    ``etcd_tls_secret``, when given) and Prometheus; ``generated`` also sets catalog (re-read every
+    ``catalog_refresh_seconds`` unless built in), clusters and the rebalance interval (a user's YAML
+    keeps its own); ``prompt``, when given, becomes ``spec.prompt`` of either."""
     obj = copy.deepcopy(dict(base))
     obj.setdefault("apiVersion", "kvshard.io/v1alpha1")
     meta = obj.setdefault("metadata", {})
@@ -66,8 +93,12 @@ def local_cacheshard(base: Mapping[str, Any], *, namespace: str, etcd_endpoint: 
     else:
         spec["etcd"].pop("tls", None)  # a user's TLS settings are for their etcd, not this one
     spec["prometheus"] = {**(spec.get("prometheus") or {}), "url": prometheus_url}
+    if prompt:  # asked for on the command line: it wins over a user's YAML too
+        spec["prompt"] = dict(prompt)
     if generated:
         spec["catalog"] = catalog_source(dataset)
+        if "builtin" not in spec["catalog"]:
+            spec["catalog"]["refreshSeconds"] = catalog_refresh_seconds
         spec["clusters"] = clusters
         spec["rebalance"] = {**(spec.get("rebalance") or {}), "enabled": True,
                              "intervalSeconds": rebalance_interval_seconds}

@@ -26,8 +26,14 @@ class LocalClusterSettings:
                                "(default: <user cache>/local-cluster)")
     cacheshard: Path | None = setting(None, "CacheShard YAML to apply (default: generated from the local template; "
                                       "its etcd endpoints and Prometheus URL are pointed at the local ones)")
-    dataset: str = setting("movielens-100k", "catalog of the generated CacheShard and of the sidecars: a built-in "
-                           "name or a dataset folder with items.jsonl")
+    dataset: str = setting("movielens-100k", "catalog of the generated CacheShard (spec.catalog; the sidecars load "
+                           "it from etcd): a built-in name, your own items.jsonl ({\"id\", \"text\", other fields} a "
+                           "line) or a folder holding one; replace the file and the change flows to the pods")
+    prompt: Path | None = setting(None, "YAML file with the CacheShard's spec.prompt, generated or --cacheshard "
+                                  "(systemText, historyHeader, candidatesHeader, question, itemFormat such as "
+                                  "'{text} by {author}'; default: the MovieLens prompt)")
+    catalog_refresh_seconds: int = setting(10, "spec.catalog.refreshSeconds of the generated CacheShard: how often the "
+                                           "operator re-reads a file catalog (the CRD allows 5 or more)")
     model: str = setting("base", "model the sidecars serve: 'base' (SmolLM2-135M-Instruct), 'finetuned' (the "
                          "recommender `kvshard model prepare` merges from a shipped adapter) or a model folder")
     namespace: str = setting("default", "namespace of the pods and the CacheShard")
@@ -39,15 +45,29 @@ class LocalClusterSettings:
     router_policy: str = setting("affinity", "routing policy of the router")
     scrape_interval_seconds: float = setting(2.0, "Prometheus scrape interval")
     start_timeout_seconds: float = setting(300.0, "how long to wait for the sidecars' models and for warm-up")
+    ttft_target_seconds: float = setting(10.0, "TTFT each sidecar is sized for (the latency half of its pressure "
+                                         "gauge); CPU prefills are slow, so higher than the chart's")
+    pressure_window_seconds: float = setting(15.0, "window of the sidecars' TTFT p90 in the pressure gauge")
+    autoscale: bool = setting(False, "run the autoscaler loop: the chart's KEDA query on this Prometheus, "
+                              "the chart's replica rule and behaviour (kvshard.autoscaling)")
+    autoscale_values: Path | None = setting(None, "YAML with a chart-style `autoscaling:` map (minReplicas, "
+                                            "maxReplicas, targetPressure, pressureWindow, behavior); default: "
+                                            "laptop-sized windows (kvshard.local.scaling.LOCAL_AUTOSCALING)")
+    autoscale_period_seconds: float = setting(5.0, "seconds between two evaluations (the HPA's sync period)")
 
     def __post_init__(self) -> None:
         for name in ("pods", "clusters_per_pod", "threads"):
             if getattr(self, name) < 1:
                 raise settings_lib.SettingsError(f"{name} must be >= 1")
+        if self.catalog_refresh_seconds < 5:
+            raise settings_lib.SettingsError("catalog_refresh_seconds must be >= 5 (the CRD's minimum)")
         if self.rebalance_interval_seconds < 10:
             raise settings_lib.SettingsError("rebalance_interval_seconds must be >= 10 (the CRD's minimum)")
         if self.memory_bytes < 0:
             raise settings_lib.SettingsError("memory_bytes must be >= 0")
+        if min(self.ttft_target_seconds, self.pressure_window_seconds, self.autoscale_period_seconds) <= 0:
+            raise settings_lib.SettingsError("ttft_target_seconds, pressure_window_seconds and "
+                                             "autoscale_period_seconds must be > 0")
         if self.scrape_interval_seconds <= 0 or self.start_timeout_seconds <= 0:
             raise settings_lib.SettingsError("scrape_interval_seconds and start_timeout_seconds must be > 0")
 
@@ -75,6 +95,15 @@ def add_down_arguments(parser: argparse.ArgumentParser) -> None:
                         "<user cache>/local-cluster]")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to wait for `kvshard up` to stop before killing what is left (default: 60)")
+
+
+def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kvshard scale``."""
+    parser.add_argument("--pods", type=int, required=True, help="sidecar pods to run (>= 1)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help=f"run folder of the cluster [env {ENV_PREFIX}DIR; default: <user cache>/local-cluster]")
+    parser.add_argument("--timeout", type=float, default=180.0,
+                        help="seconds to wait for the change, drains included (default: 180)")
 
 
 def from_args(args: argparse.Namespace | None) -> LocalClusterSettings:

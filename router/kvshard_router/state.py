@@ -14,13 +14,20 @@ Rules:
 * The item index (the big part of a snapshot) is rebuilt only when ``item_clusters`` changed;
   assignment-only generations and warm/health changes reuse it.
 * Warm reports of pods outside the placement are kept (they may join) but not routed to.
+* A pod *joins* routing once its report has shown every assigned cluster warm (``warming == 0``,
+  with at least one cluster: a pod the operator has not placed yet assigns nothing, so it is
+  trivially "done") at least once at its current URL, so a pod added by a scale-out gets traffic only once warm
+  (its cold requests would pay full prefills). Once joined it stays joined through later
+  rebalances (it serves its other clusters meanwhile); withdrawing the report (a drain, a pod that
+  left) or a new URL (a restarted pod elsewhere) makes it cold again. If no healthy pod has joined
+  yet (a whole cluster starting), cold pods are routable rather than answering 503.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from kvshard.placement_schema import Placement, WarmReport
@@ -51,6 +58,8 @@ class RouterState:
         self.reports: dict[str, WarmReport] = {}
         self.health: dict[str, bool] = {}
         self.health_reason: dict[str, str] = {}
+        self.joined: set[str] = set()
+        """Pods that reported every assigned cluster warm at least once at their current URL."""
         self.snapshot: Snapshot | None = None
         self.updated_at: float | None = None
         """Unix time of the last placement or warm-set change (health changes do not count)."""
@@ -80,7 +89,23 @@ class RouterState:
         return frozenset(report.clusters) if report is not None else frozenset()
 
     def routable(self, pod: str) -> bool:
+        return self._routable_map((pod,))[pod]
+
+    def _routable_map(self, pods: Iterable[str]) -> dict[str, bool]:
+        """Routability of ``pods`` — one pass over the joined set, not one per pod."""
+        placed = self.placement_pods()
+        any_joined = any(p in placed and self._reachable(p) for p in self.joined)
+        return {p: self._reachable(p) and (p in self.joined or not any_joined) for p in pods}
+
+    def _reachable(self, pod: str) -> bool:
         return self.url(pod) is not None and self.health.get(pod, False)
+
+    def placement_pods(self) -> set[str]:
+        """Every pod the placement names (listed or holding a cluster)."""
+        placement = self.placement
+        if placement is None:
+            return set()
+        return set(placement.pods) | {p for holders in placement.assignment.values() for p in holders}
 
     # ------------------------------------------------------------------------------------ changes
 
@@ -120,6 +145,11 @@ class RouterState:
                          list(cur.clusters), cur.url or "-", bad)
             if old is not None and cur is not None and old.url != cur.url:
                 self.health.pop(pod, None)  # a new address (a restarted pod) is unverified again
+            if cur is None or (old is not None and old.url != cur.url):
+                self.joined.discard(pod)
+            if cur is not None and cur.warming == 0 and cur.clusters and pod not in self.joined:
+                self.joined.add(pod)
+                log.info("pod %s joins routing: every assigned cluster is warm", pod)
         self.reports = new
         if self.placement is not None:
             self._rebuild(self.snapshot.items if self.snapshot is not None else None)
@@ -136,7 +166,8 @@ class RouterState:
         else:
             log.warning("pod %s is unhealthy: %s", pod, reason or "failed")
         if self.snapshot is not None and pod in self.snapshot.pod_index:
-            self.snapshot = self.snapshot.with_health({pod: self.routable(pod)})
+            # one pod's health can decide whether cold pods are routable: refresh every pod's mask
+            self.snapshot = self.snapshot.with_health(self._routable_map(self.snapshot.pods))
         return True
 
     def forget_health(self, keep: set[str]) -> None:
@@ -148,9 +179,9 @@ class RouterState:
     def _rebuild(self, items: ItemIndex | None) -> None:
         placement = self.placement
         assert placement is not None
-        pods = set(placement.pods) | {p for holders in placement.assignment.values() for p in holders}
+        pods = self.placement_pods()
         self.forget_health(pods)
-        health = {pod: self.routable(pod) for pod in pods}
+        health = self._routable_map(pods)
         warm = {pod: clusters for pod, clusters in warm_from_reports(self.reports).items() if pod in pods}
         self.snapshot = build_snapshot(placement, warm, health, items=items,
                                        default_item_tokens=self.default_item_tokens)

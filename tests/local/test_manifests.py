@@ -28,7 +28,8 @@ def test_generated_cacheshard_is_valid_and_points_at_the_local_servers(tmp_path:
     assert obj["metadata"]["namespace"] == "team"
     assert spec["etcd"]["endpoints"] == ["127.0.0.1:4001"]
     assert spec["prometheus"]["url"] == "http://127.0.0.1:9999"
-    assert spec["catalog"] == {"file": {"path": str(tmp_path / "items.jsonl")}}
+    assert spec["catalog"] == {"file": {"path": str(tmp_path / "items.jsonl")}, "refreshSeconds": 10}
+    assert "prompt" not in spec  # the default (MovieLens) prompt
     assert (spec["clusters"], spec["rebalance"]) == (12, {"enabled": True, "intervalSeconds": 10})
     builtin = manifests.local_cacheshard(manifests.load_cacheshard(), namespace="default", etcd_endpoint="e:1",
                                          prometheus_url="http://p:1", generated=True)
@@ -88,7 +89,31 @@ def test_prometheus_config_labels_sidecars_by_pod_and_passes_promtool(tmp_path: 
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-@pytest.mark.parametrize(("field", "value"), [("pods", 0), ("threads", 0), ("rebalance_interval_seconds", 5)])
+def test_a_prompt_file_becomes_spec_prompt_and_a_bad_one_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    from kvshard_operator.validation import violations
+
+    books = Path(__file__).with_name("data")
+    prompt = manifests.load_prompt(books / "books-prompt.yaml")
+    assert prompt["itemFormat"] == "{text}, by {author}" and prompt["systemText"].startswith("You are a bookshop")
+    obj = manifests.local_cacheshard(manifests.load_cacheshard(), namespace="default", etcd_endpoint="e:1",
+                                     prometheus_url="http://p:1", generated=True, dataset=str(books / "books.jsonl"),
+                                     prompt=prompt, catalog_refresh_seconds=5)
+    assert violations(obj) == []
+    assert obj["spec"]["prompt"] == prompt
+    assert obj["spec"]["catalog"] == {"file": {"path": str(books / "books.jsonl")}, "refreshSeconds": 5}
+    for text, problem in [("itemFormat: '{title}'\n", "must contain {text}"),
+                          ("systemText: ''\n", "systemText: must not be empty"),
+                          ("systemTxt: hi\n", "systemTxt: unknown field"),
+                          ("- a list\n", "expected a mapping")]:
+        (tmp_path / "prompt.yaml").write_text(text)
+        with pytest.raises(ValueError, match=problem):
+            manifests.load_prompt(tmp_path / "prompt.yaml")
+    with pytest.raises(ValueError, match="nope.yaml"):
+        LocalClusterSettings(prompt=tmp_path / "nope.yaml") and manifests.load_prompt(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(("field", "value"), [("pods", 0), ("threads", 0), ("rebalance_interval_seconds", 5),
+                                              ("catalog_refresh_seconds", 4)])
 def test_settings_refuse_values_that_cannot_run(field: str, value: int) -> None:
     changes: dict[str, Any] = {field: value}
     with pytest.raises(SettingsError, match=field):

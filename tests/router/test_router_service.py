@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import FakePod, eventually, metric, post, publish, running_router
 
-from kvshard.etcd_store import EtcdStore, QuietRepeats
+from kvshard.etcd_store import QuietRepeats
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.request_errors import RequestError
 from kvshard.testing_servers import EtcdServer
@@ -101,7 +101,7 @@ def test_a_pod_that_moves_to_a_new_url_is_unverified_until_checked_there() -> No
 
 async def _follower(etcd: EtcdServer, name: str) -> tuple[PlacementFollower, RouterState]:
     state = RouterState()
-    follower = PlacementFollower(EtcdStore([etcd.endpoint], timeout=1.0), "default", name, state, max_backoff=1.0)
+    follower = PlacementFollower(etcd.store(timeout=1.0), "default", name, state, max_backoff=1.0)
     follower.start()
     return follower, state
 
@@ -109,7 +109,7 @@ async def _follower(etcd: EtcdServer, name: str) -> tuple[PlacementFollower, Rou
 async def test_the_follower_builds_snapshots_from_etcd_and_reuses_the_item_index(etcd: EtcdServer) -> None:
     follower, state = await _follower(etcd, "follow")
     try:
-        await publish(etcd.endpoint, "default/follow", placement(1, {0: ("a",), 1: ("b",)}),
+        await publish(etcd, "default/follow", placement(1, {0: ("a",), 1: ("b",)}),
                       reports(a=((0,), "http://127.0.0.1:1"), b=((1,), "")))
         await eventually(lambda: state.generation == 1 and set(state.reports) == {"a", "b"}, what="generation 1")
         first = state.snapshot
@@ -117,14 +117,14 @@ async def test_the_follower_builds_snapshots_from_etcd_and_reuses_the_item_index
         assert state.urls() == {"a": "http://127.0.0.1:1"} and state.updated_at is not None
 
         # Only the assignment changes (a replica of cluster 1 on a): same item index, new holders once warm.
-        await publish(etcd.endpoint, "default/follow", placement(2, {0: ("a",), 1: ("b", "a")}),
+        await publish(etcd, "default/follow", placement(2, {0: ("a",), 1: ("b", "a")}),
                       reports(a=((0, 1), "http://127.0.0.1:1")))
         await eventually(lambda: state.generation == 2 and 1 in state.warm("a"), what="generation 2, a warm")
         assert state.snapshot is not None and state.snapshot.items is first.items
         assert state.snapshot.holders_of(1) == ("b", "a")
 
         # New items: the index is rebuilt.
-        await publish(etcd.endpoint, "default/follow", placement(3, {0: ("a",), 1: ("b",)}, {**ITEMS, "new": 1}),
+        await publish(etcd, "default/follow", placement(3, {0: ("a",), 1: ("b",)}, {**ITEMS, "new": 1}),
                       {})
         await eventually(lambda: state.generation == 3, what="generation 3")
         assert state.snapshot is not None and state.snapshot.items is not first.items
@@ -136,7 +136,7 @@ async def test_the_follower_builds_snapshots_from_etcd_and_reuses_the_item_index
 async def test_the_router_keeps_its_snapshot_while_etcd_is_down_and_follows_again_after(etcd: EtcdServer) -> None:
     follower, state = await _follower(etcd, "outage")
     try:
-        await publish(etcd.endpoint, "default/outage", placement(1, {0: ("a",), 1: ("b",)}),
+        await publish(etcd, "default/outage", placement(1, {0: ("a",), 1: ("b",)}),
                       reports(a=((0,), "http://127.0.0.1:1")))
         await eventually(lambda: state.generation == 1 and "a" in state.reports, what="generation 1")
         snapshot = state.snapshot
@@ -144,7 +144,7 @@ async def test_the_router_keeps_its_snapshot_while_etcd_is_down_and_follows_agai
         await asyncio.sleep(1.5)
         assert state.snapshot is snapshot and state.generation == 1  # still routing by the last placement
         etcd.start()
-        await publish(etcd.endpoint, "default/outage", placement(2, {0: ("b",), 1: ("b",)}), {})
+        await publish(etcd, "default/outage", placement(2, {0: ("b",), 1: ("b",)}), {})
         await eventually(lambda: state.generation == 2, timeout=20, what="generation 2 after the outage")
     finally:
         await follower.stop()
@@ -163,7 +163,7 @@ async def test_a_router_started_while_etcd_is_down_logs_once_and_picks_up_placem
         assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]  # once per watch, not per retry
         assert state.snapshot is None
         etcd.start()
-        await publish(etcd.endpoint, "default/late", placement(1, {0: ("a",), 1: ("b",)}), {})
+        await publish(etcd, "default/late", placement(1, {0: ("a",), 1: ("b",)}), {})
         await eventually(lambda: state.generation == 1 and follower.connected, timeout=20, what="generation 1")
     finally:
         await follower.stop()
@@ -213,7 +213,7 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> str:
 
 
 async def _publish_two(etcd_server: EtcdServer, shard: str, a: FakePod, b: FakePod) -> None:
-    await publish(etcd_server.endpoint, shard, placement(1, {0: ("a",), 1: ("b",)}),
+    await publish(etcd_server, shard, placement(1, {0: ("a",), 1: ("b",)}),
                   reports(a=((0,), a.url), b=((1,), b.url)))
 
 
@@ -223,7 +223,7 @@ async def test_requests_go_to_the_pod_holding_their_clusters(
     a, b = pods
     shard = "default/holding"
     await _publish_two(etcd_server, shard, a, b)
-    async with running_router(etcd_server.endpoint, shard) as (url, _):
+    async with running_router(etcd_server, shard) as (url, _):
         await _ready(session, url)
         for user in range(3):
             for items, pod in ((A_ITEMS, "a"), (B_ITEMS[1:] + ["a0"], "b")):
@@ -263,7 +263,7 @@ async def test_bad_requests_get_a_json_4xx_and_the_router_keeps_serving(
     a, b = pods
     shard = "default/bad"
     await _publish_two(etcd_server, shard, a, b)
-    async with running_router(etcd_server.endpoint, shard) as (url, _):
+    async with running_router(etcd_server, shard) as (url, _):
         await _ready(session, url)
         cases: list[tuple[bytes, str, int, str]] = [
             (b"{not json", "application/json", 400, "body"),
@@ -290,7 +290,7 @@ async def test_a_refused_connection_is_retried_once_on_the_other_pod(
     shard = "default/refused"
     await _publish_two(etcd_server, shard, a, b)
     # Probes are far apart: the passive check (the failed forward) must be what takes a out.
-    async with running_router(etcd_server.endpoint, shard, health_interval_seconds=60) as (url, router):
+    async with running_router(etcd_server, shard, health_interval_seconds=60) as (url, router):
         await _ready(session, url)
         await a.stop()
         status, headers, body = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
@@ -313,7 +313,7 @@ async def test_a_503_is_retried_elsewhere_but_other_pod_errors_pass_through(
     a, b = pods
     shard = "default/passthrough"
     await _publish_two(etcd_server, shard, a, b)
-    async with running_router(etcd_server.endpoint, shard) as (url, _):
+    async with running_router(etcd_server, shard) as (url, _):
         await _ready(session, url)
         request = {"user_id": "1", "candidates": A_ITEMS}
         for code in (422, 429, 500):
@@ -334,7 +334,7 @@ async def test_no_healthy_pod_is_503_and_two_failures_are_502(
 ) -> None:
     a, b = pods
     await _publish_two(etcd_server, "default/failing", a, b)
-    async with running_router(etcd_server.endpoint, "default/failing", health_interval_seconds=60) as (url, _):
+    async with running_router(etcd_server, "default/failing", health_interval_seconds=60) as (url, _):
         await _ready(session, url)
         await a.stop()
         b.status = 503
@@ -353,9 +353,9 @@ async def test_a_503_with_no_other_pod_is_passed_through(
     etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
 ) -> None:
     a, _ = pods
-    await publish(etcd_server.endpoint, "default/single", placement(1, {0: ("a",), 1: ("a",)}),
+    await publish(etcd_server, "default/single", placement(1, {0: ("a",), 1: ("a",)}),
                   reports(a=((0, 1), a.url)))
-    async with running_router(etcd_server.endpoint, "default/single", health_interval_seconds=60) as (url, _):
+    async with running_router(etcd_server, "default/single", health_interval_seconds=60) as (url, _):
         await _ready(session, url, healthy=1)
         a.status = 503
         status, headers, _ = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
@@ -368,7 +368,7 @@ async def test_health_checks_take_a_pod_out_and_bring_it_back(
     a, b = pods
     shard = "default/health"
     await _publish_two(etcd_server, shard, a, b)
-    async with running_router(etcd_server.endpoint, shard) as (url, router):
+    async with running_router(etcd_server, shard) as (url, router):
         await _ready(session, url)
         a.ready = False
         await eventually(lambda: not router.state.routable("a"), timeout=3, what="a marked unhealthy")
@@ -387,9 +387,9 @@ async def test_a_pod_without_a_url_is_never_chosen(
     etcd_server: EtcdServer, pods: tuple[FakePod, FakePod], session: aiohttp.ClientSession
 ) -> None:
     a, b = pods
-    await publish(etcd_server.endpoint, "default/nourl", placement(1, {0: ("a",), 1: ("b",)}),
+    await publish(etcd_server, "default/nourl", placement(1, {0: ("a",), 1: ("b",)}),
                   reports(a=((0,), ""), b=((1,), b.url)))
-    async with running_router(etcd_server.endpoint, "default/nourl") as (url, _):
+    async with running_router(etcd_server, "default/nourl") as (url, _):
         await _ready(session, url, healthy=1)
         status, headers, _ = await post(session, f"{url}/v1/recommend", {"user_id": "1", "candidates": A_ITEMS})
         assert (status, headers["X-Kvshard-Pod"]) == (200, "b")
@@ -402,7 +402,7 @@ async def test_before_any_placement_the_router_is_not_ready(
     etcd_server: EtcdServer, session: aiohttp.ClientSession
 ) -> None:
     shard = "default/empty"
-    async with running_router(etcd_server.endpoint, shard) as (url, _):
+    async with running_router(etcd_server, shard) as (url, _):
         async with session.get(f"{url}/healthz") as resp:
             assert resp.status == 200
         async with session.get(f"{url}/readyz") as resp:

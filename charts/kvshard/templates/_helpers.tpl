@@ -301,12 +301,12 @@ the ClusterRole (every namespace) or by one Role per watched namespace.
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
-# spec.catalog.configMap: the item catalog is read once per reconciliation.
+# spec.catalog.configMap: the item catalog is read by name once per spec.catalog.refreshSeconds.
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get]
-# spec.etcd.secretRef (etcd username and password) and spec.etcd.tls.secretRef (etcd's CA and the
-# client certificate), read by name.
+# spec.etcd.secretRef (etcd username and password), spec.etcd.tls.secretRef (etcd's CA and the
+# client certificate) and spec.catalog.url.secretRef (the catalog URL's bearer token), read by name.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
