@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kvshard.datasets import Item
@@ -122,10 +122,11 @@ def parse_record(row: Any) -> tuple[str, str, dict[str, str]] | str:
     return str(item_id), one_line(text), fields
 
 
-def parse_jsonl(text: str, origin: str) -> Catalog:
+def parse_jsonl(text: str, origin: str, extra: Callable[[Any], str | None] | None = None) -> Catalog:
     """A catalog from JSON Lines of ``{"id": ..., "text": "...", <other fields>}`` (blank lines
     skipped). Malformed lines, duplicate ids and empty texts are all collected; the
-    :class:`CatalogError` names the first :data:`MAX_BAD_LINES` of them."""
+    :class:`CatalogError` names the first :data:`MAX_BAD_LINES` of them. ``extra`` sees each good
+    line's object, in order, and returns why it is bad (e.g. a missing vector) or None."""
     ids: list[str] = []
     texts: list[str] = []
     extras: list[Mapping[str, str]] = []
@@ -135,14 +136,18 @@ def parse_jsonl(text: str, origin: str) -> Catalog:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        row: Any = None
         try:
-            parsed = parse_record(json.loads(line))
+            row = json.loads(line)
+            parsed = parse_record(row)
         except json.JSONDecodeError as exc:
             parsed = f"not JSON ({exc.msg})"
         except RecursionError:
             parsed = "not JSON (nested too deeply)"
         if isinstance(parsed, tuple) and parsed[0] in first_line:
             parsed = f"duplicate id {parsed[0]!r} (first on line {first_line[parsed[0]]})"
+        if isinstance(parsed, tuple) and extra is not None:
+            parsed = extra(row) or parsed
         if isinstance(parsed, str):
             bad_count += 1
             if len(bad) < MAX_BAD_LINES:

@@ -124,7 +124,20 @@ MISTAKES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
                                                       "builtin": "movielens-100k"}), "spec.catalog"),
     ("catalog-refresh-too-often", _set("spec.catalog", {"url": {"url": "https://x.example/i.jsonl"},
                                                         "refreshSeconds": 1}), "spec.catalog.refreshSeconds"),
+    ("embeddings-from-file-without-file", _set("spec.catalog.embeddings", {"from": "File"}),
+     "spec.catalog.embeddings"),
+    ("embeddings-unknown-source", _set("spec.catalog.embeddings", {"from": "Vectors"}), "spec.catalog.embeddings.from"),
+    ("embeddings-dimension-one", _set("spec.catalog.embeddings", {"from": "Field", "dimension": 1}),
+     "spec.catalog.embeddings.dimension"),
 ]
+
+
+def test_a_catalog_with_its_own_vectors_is_valid_and_defaulted() -> None:
+    obj = full()
+    obj["spec"]["catalog"] = {"file": {"path": "/data/items.jsonl"}, "embeddings": {"from": "Field"}}
+    assert validation.validate(obj)["spec"]["catalog"]["embeddings"]["field"] == "embedding"
+    obj["spec"]["catalog"]["embeddings"] = {"from": "File", "file": {"path": "/data/vectors.npz"}, "dimension": 128}
+    assert validation.violations(obj) == []
 
 
 def test_a_custom_prompt_and_a_url_catalog_with_a_token_are_valid_and_defaulted() -> None:
