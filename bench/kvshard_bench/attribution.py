@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from kvshard.prompts import RecommendationPrompt
+from kvshard_bench.tables import format_cells
 from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings
 from kvshard_sidecar.engine.oracle import Oracle, part_rows
 
@@ -91,7 +92,4 @@ def format_attribution(rows: Sequence[Row]) -> str:
     headers = ["exact rows (oracle)", "share", "kl", "label_kl", "tau", "cand_top1", "token_top1"]
     cells = [[r["oracle"], f"{r['oracle_share']:.2f}", f"{r['kl']:.4f}", f"{r['label_kl']:.4f}", f"{r['tau']:.2f}",
               f"{r['top1_agreement']:.2f}", f"{r['token_top1_agreement']:.2f}"] for r in shown]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
-    return "\n".join(lines)
+    return format_cells(headers, cells)

@@ -43,6 +43,7 @@ from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, kendall_tau, quality, random_quality
 from kvshard_bench.attribution import format_attribution, run_attribution
 from kvshard_bench.frontier import SWEEP_METHODS, SWEEP_RATIOS, format_sweep, plot_frontier, sweep_specs
+from kvshard_bench.tables import format_rows
 from kvshard_sidecar.adapter_merge import MODEL_HELP, resolve_model
 from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings, MemoryBlockSource
 from kvshard_sidecar.engine.methods import method_settings as named_settings
@@ -354,19 +355,7 @@ def format_table(rows: Sequence[Row]) -> str:
                "recompute_ratio"]
     headers = ["method", "r", "ttft_ms", "x_full", "x_prefix", "ideal", "cand_top1", "token_top1", "tau",
                "label_kl", "kl", "hr1", "hr5", "ndcg10", "recomp"]
-    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
+    return format_rows(headers, columns, rows)
 
 
 def plot(rows: Sequence[Row], path: Path) -> None:

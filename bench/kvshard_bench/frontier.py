@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvshard_bench.tables import format_rows
+
 Row = dict[str, Any]
 SWEEP_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 SWEEP_METHODS = (
@@ -43,20 +45,7 @@ def format_sweep(rows: Sequence[Row]) -> str:
                "ideal_speedup", "kl", "label_kl", "tau", "top1_agreement", "recompute_ratio"]
     headers = ["H", "K", "method", "r", "ttft_ms", "x_full", "x_prefix", "ideal", "kl", "label_kl", "tau",
                "cand_top1", "recomp"]
-    shown = [r for r in rows if r.get("kl") is not None]
-    cells = [[_cell(r.get(c)) for c in columns] for r in shown]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
+    return format_rows(headers, columns, [r for r in rows if r.get("kl") is not None])
 
 
 def plot_frontier(rows: Sequence[Row], path: Path) -> None:

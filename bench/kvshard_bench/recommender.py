@@ -38,6 +38,7 @@ from kvshard.datasets import Dataset, load_dataset
 from kvshard.prompts import PromptBuilder, RecommendationRequest, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, quality, random_quality
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
+from kvshard_bench.tables import format_cells
 
 Row = dict[str, Any]
 TARGETS = {"hr1": 0.30, "position_consistency": 0.8, "max_label_share": 0.25}
@@ -206,7 +207,4 @@ def format_table(rows: Sequence[Row], candidates: int, orders: int) -> str:
     expected = random_quality(candidates)
     cells.append(["random", f"{expected['hr1']:.3f}", "-", f"{expected['hr5']:.3f}", f"{expected['ndcg10']:.3f}",
                   f"{1 / candidates ** (orders - 1):.4f}", f"~{1 / candidates:.2f}", "-"])
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
-    return "\n".join(lines)
+    return format_cells(headers, cells)
