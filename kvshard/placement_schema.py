@@ -119,8 +119,10 @@ def encode_items(item_clusters: Mapping[str, int]) -> list[bytes]:
     chunks: list[bytes] = []
     current: dict[str, int] = {}
     size = 0
+    quote = json.encoder.encode_basestring_ascii
     for item, cluster in sorted(item_clusters.items()):
-        entry = len(json.dumps({item: cluster})) + 1
+        # len(json.dumps({item: cluster})) + 1, without a dumps call per item (100k items: seconds)
+        entry = len(quote(item)) + len(str(int(cluster))) + 5
         if current and size + entry > _CHUNK_TARGET:
             chunks.append(_dump_chunk(current))
             current, size = {}, 0

@@ -125,6 +125,7 @@ class LocalCluster:
         self.namespace = self.settings.namespace
         self._generated = self.settings.cacheshard is None
         self._manifest = manifests.load_cacheshard(self.settings.cacheshard)
+        self._prompt = manifests.load_prompt(self.settings.prompt) if self.settings.prompt else None
         self.name = str(self._manifest["metadata"]["name"])
         self.pod_names = [f"engine-{i}" for i in range(self.settings.pods)]
         self._ports = {name: free_port() for name in ("kube", "operator_metrics", "operator_health", "router")}
@@ -222,7 +223,8 @@ class LocalCluster:
             self._manifest, namespace=self.namespace, etcd_endpoint=self.etcd_endpoint,
             etcd_tls_secret=ETCD_TLS_SECRET, prometheus_url=self.prometheus_url, generated=self._generated,
             dataset=self.settings.dataset, clusters=self.settings.clusters_per_pod * self.settings.pods,
-            rebalance_interval_seconds=self.settings.rebalance_interval_seconds)
+            rebalance_interval_seconds=self.settings.rebalance_interval_seconds, prompt=self._prompt,
+            catalog_refresh_seconds=self.settings.catalog_refresh_seconds)
         (self.run_dir / "cacheshard.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
         self.api.create(CACHESHARDS.format(ns=self.namespace), manifests.as_applied(manifest))
         log.info("applied CacheShard %s/%s (%s clusters)", self.namespace, self.name, manifest["spec"].get("clusters"))
@@ -488,6 +490,8 @@ class LocalCluster:
             # clusters follow co-occurrence in user histories (built-in catalogs carry them)
             "KVSHARD_OPERATOR_COOCCURRENCE_PERCENT": "50",
             "KVSHARD_OPERATOR_POD_SYNC_SECONDS": "1",
+            # a replaced catalog file is seen within a second of its spec.catalog.refreshSeconds
+            "KVSHARD_OPERATOR_CATALOG_CHECK_SECONDS": "1",
             "KVSHARD_OPERATOR_REBALANCE_CHECK_SECONDS": str(min(5, self.settings.rebalance_interval_seconds)),
             "KVSHARD_OPERATOR_RETRY_BACKOFF_MAX": "10",
         }

@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvshard.catalog_schema import Catalog, CatalogDiff, diff
+from kvshard_operator.vectors import VectorSource
 
 FloatArray = npt.NDArray[np.float32]
 Embed = Callable[[Sequence[str]], FloatArray]
@@ -83,8 +84,9 @@ class Update:
 
 
 def sample_centroids(catalog: Catalog, labels: Mapping[str, int], k: int, embed: Embed,
-                     sample: int = CENTROID_SAMPLE, seed: int = 0) -> Centroids:
-    """Centroids from at most ``sample`` members of each cluster (after a restart)."""
+                     sample: int = CENTROID_SAMPLE, seed: int = 0, source: VectorSource | None = None) -> Centroids:
+    """Centroids from at most ``sample`` members of each cluster (after a restart). ``source`` holds
+    the catalog's own vectors (row ``i`` is item ``i``) when they were given; then nothing is embedded."""
     members: dict[int, list[int]] = {}
     for row, item_id in enumerate(catalog.ids):
         cluster = labels.get(item_id)
@@ -97,7 +99,8 @@ def sample_centroids(catalog: Catalog, labels: Mapping[str, int], k: int, embed:
         rows += chosen if len(chosen) <= sample else rng.sample(chosen, sample)
     if not rows:
         return Centroids(np.zeros((k, 1), dtype=np.float32), np.zeros(k, dtype=np.int64))
-    vectors = embed([item_line(catalog, r) for r in rows])
+    vectors = (embed([item_line(catalog, r) for r in rows]) if source is None
+               else source.take(np.asarray(rows, dtype=np.int64)))
     return Centroids.from_vectors(vectors, [labels[catalog.ids[r]] for r in rows], k)
 
 
@@ -107,8 +110,10 @@ def item_line(catalog: Catalog, row: int) -> str:
 
 
 def apply_change(old: Catalog, new: Catalog, labels: Mapping[str, int], centroids: Centroids, embed: Embed,
-                 *, slack_percent: int = 10) -> Update:
-    """New labels for ``new`` given ``old``'s ``labels``; updates ``centroids`` in place."""
+                 *, slack_percent: int = 10, source: VectorSource | None = None) -> Update:
+    """New labels for ``new`` given ``old``'s ``labels``; updates ``centroids`` in place. ``source``
+    holds ``new``'s given vectors (row ``i`` is item ``i``): new and edited items are read from it,
+    not embedded."""
     change = diff(old, new)
     out = {item_id: labels[item_id] for item_id in new.ids if item_id in labels}
     for item_id in change.removed:
@@ -122,7 +127,8 @@ def apply_change(old: Catalog, new: Catalog, labels: Mapping[str, int], centroid
     reassigned: list[str] = []
     if todo:
         row = {item_id: i for i, item_id in enumerate(new.ids)}
-        vectors = embed([item_line(new, row[item_id]) for item_id in todo])
+        vectors = (embed([item_line(new, row[item_id]) for item_id in todo]) if source is None
+                   else source.take(np.fromiter((row[i] for i in todo), dtype=np.int64, count=len(todo))))
         if centroids.sums.shape[1] != vectors.shape[1]:
             centroids.sums = np.zeros((k, vectors.shape[1]), dtype=np.float32)
         # one matmul against the centroids as they were before this change: a change is small next to
@@ -130,9 +136,11 @@ def apply_change(old: Catalog, new: Catalog, labels: Mapping[str, int], centroid
         similarities = (vectors @ centroids.unit().T if centroids.counts.any()
                         else np.zeros((len(todo), k), dtype=np.float32))
         for item_id, vector, similarity in zip(todo, vectors, similarities, strict=True):
-            order = np.argsort(-similarity, kind="stable")
-            open_ = [int(c) for c in order if sizes[c] < cap]
-            cluster = open_[0] if open_ else int(order[0])
+            # the nearest cluster still below the cap (argmax keeps the lowest index among ties, as a
+            # stable sort would); the nearest of all when every cluster is full
+            open_ = sizes < cap
+            cluster = int(np.argmax(np.where(open_, similarity, -np.inf))) if open_.any() \
+                else int(np.argmax(similarity))
             if item_id in labels and labels[item_id] != cluster:
                 reassigned.append(item_id)
             out[item_id] = cluster

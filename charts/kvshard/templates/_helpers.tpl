@@ -314,6 +314,16 @@ the ClusterRole (every namespace) or by one Role per watched namespace.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- if .Values.operator.embedding.enabled }}
+# Embedding Jobs (operator.embedding): create starts the Indexed Job of a catalog's missing chunks
+# (and a new attempt, under a new name, after one gave up); get reads its progress (active, failed,
+# succeeded pods, the Failed condition) by name for status.embedding. No list or watch (the
+# operator knows each Job's name), no delete (ttlSecondsAfterFinished removes finished Jobs), no
+# rights on the Job's pods: the Job controller creates and retries them.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [create, get]
+{{- end }}
 {{- end }}
 
 {{/*
