@@ -11,6 +11,12 @@ float32 matrix. Writing the file is not timed.
 ``peak_rss_mb`` is the process's peak resident set so far (``getrusage``), so run ``sampled``
 first (``--compare-full`` does): the ``full`` row's peak includes the ``sampled`` one.
 
+``--vectors`` times what a bring-your-own-vectors catalog costs the operator end to end: the items
+are written (not timed) as a JSONL catalog whose lines carry an ``embedding`` field, then read and
+checked as the operator reads them (:func:`kvshard_operator.catalog_vectors.load`, ``from: Field``)
+and placed by the sampled method; the row's method is ``vectors`` and ``seconds`` covers both.
+Use a small ``--dim`` (64): the JSON text of 1 M × 384 numbers alone is ~2.7 GB.
+
 Targets (issue 5): 1 M items on 100 pods in < 60 s, moved fraction ≤ 1.1 × ideal. Issue 19:
 10 M items / 1,000 pods / 10,000 clusters in < 120 s and < 6 GB peak RSS, clusters max/mean ≤ 1.1,
 and at 1 M items a mean cosine to the centroid within 5 % of ``full``.
@@ -29,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
+import kvshard_operator.catalog_vectors as catalog_vectors
 import kvshard_operator.placement as placement
 import kvshard_operator.placement_large as large
-from kvshard_operator.vectors import NpyVectors, unit, write_npy
+from kvshard_operator.vectors import ArrayVectors, NpyVectors, unit, write_npy
 
 _GEN_CHUNK = 65536
 
@@ -50,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run the full method on the same items and report both mean cosines")
     parser.add_argument("--quality", action="store_true",
                         help="report each item's mean cosine to its cluster mean (two more passes over the items)")
+    parser.add_argument("--vectors", action="store_true",
+                        help="a catalog that carries its vectors (JSONL, embedding field): time reading and "
+                             "checking it plus the sampled placement (method 'vectors'; use --dim 64)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where the float16 item file goes (default: a temporary folder, removed after)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
@@ -67,6 +77,29 @@ def synthetic_chunks(items: int, dim: int, seed: int) -> Iterator[np.ndarray]:
         x += pools[0][rng.integers(0, 65536, count)]
         x += pools[1][rng.integers(0, 65536, count)]
         yield unit(x).astype(np.float16)
+
+
+def write_vector_catalog(path: Path, items: int, dim: int, seed: int) -> Path:
+    """A JSONL catalog of ``items`` lines ``{"id", "text", "embedding"}`` (3 decimals, as exports have)."""
+    with path.open("w", encoding="utf-8") as f:
+        row = 0
+        for chunk in synthetic_chunks(items, dim, seed):
+            for vector in np.round(chunk.astype(np.float32), 3).tolist():
+                f.write(json.dumps({"id": row, "text": f"item {row}", "embedding": vector}) + "\n")
+                row += 1
+    return path
+
+
+def _vectors_row(folder: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    path = write_vector_catalog(folder / "items.jsonl", args.items, args.dim, args.seed)
+    started = time.perf_counter()
+    loaded = catalog_vectors.load({"file": {"path": str(path)}, "embeddings": {"from": "Field"}}, "bench")
+    assert loaded.vectors is not None
+    source = ArrayVectors(loaded.vectors)
+    labels = large.cluster_large(source, args.clusters, seed=args.seed).labels
+    seconds = time.perf_counter() - started
+    score = large.mean_cosine(source, labels, int(labels.max()) + 1) if args.quality else None
+    return _rows("vectors", labels, args, seconds, score)
 
 
 def peak_rss_mb() -> float:
@@ -109,6 +142,10 @@ def _rows(method: str, labels: np.ndarray, args: argparse.Namespace, seconds: fl
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the benchmark, print a table, write JSON if asked; returns one row per method and pod change."""
     with tempfile.TemporaryDirectory(dir=args.data_dir) as folder:
+        if getattr(args, "vectors", False):
+            given = _vectors_row(Path(folder), args)
+            _print(given, args)
+            return given
         path = write_npy(Path(folder) / "items.npy", synthetic_chunks(args.items, args.dim, args.seed),
                          args.items, args.dim)
         source = NpyVectors(path)
@@ -124,7 +161,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             seconds = time.perf_counter() - started
             score = large.mean_cosine(source, labels, int(labels.max()) + 1) if quality else None
             rows += _rows(method, labels, args, seconds, score)
+    _print(rows, args)
+    return rows
 
+
+def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"{'method':<9}{'change':<8}{'items':>10}{'pods':>6}{'clusters':>10}{'seconds':>9}{'moved':>9}"
           f"{'ideal':>9}{'ratio':>7}{'max/mean':>9}{'cosine':>9}{'peak MB':>9}")
     for row in rows:
@@ -135,4 +176,3 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
               f"{row['max_over_mean']:>9.3f}{cosine:>9}{row['peak_rss_mb']:>9.0f}")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    return rows

@@ -58,10 +58,17 @@ def _redacted(url: str) -> str:
 
 
 def load_catalog(source: Mapping[str, Any], namespace: str, read_configmap: ConfigMapReader | None = None,
-                 read_secret_key: SecretKeyReader | None = None) -> Catalog:
-    """The catalog named by ``spec.catalog`` (exactly one of builtin, file, configMap, url)."""
+                 read_secret_key: SecretKeyReader | None = None,
+                 extra: Callable[[Any], str | None] | None = None) -> Catalog:
+    """The catalog named by ``spec.catalog`` (exactly one of builtin, file, configMap, url).
+
+    ``extra`` sees every parsed JSONL line (:func:`parse_jsonl`): the per-line vectors of
+    :mod:`catalog_vectors` are read in the same pass. Built-ins have no lines, so none with it."""
     origin = describe(source, namespace)
     if "builtin" in source:
+        if extra is not None:
+            raise CatalogError("EmbeddingsInvalid", f"{origin}: a built-in catalog carries no vectors "
+                               "(spec.catalog.embeddings.from must be Model)")
         try:
             dataset = load_dataset(str(source["builtin"]))
         except (DatasetError, FileNotFoundError) as exc:
@@ -75,7 +82,7 @@ def load_catalog(source: Mapping[str, Any], namespace: str, read_configmap: Conf
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise CatalogError("CatalogNotFound", f"{origin}: {getattr(exc, 'strerror', None) or exc}") from exc
-        return parse_jsonl(text, origin)
+        return parse_jsonl(text, origin, extra)
     if "configMap" in source:
         ref = source["configMap"]
         if read_configmap is None:
@@ -88,9 +95,9 @@ def load_catalog(source: Mapping[str, Any], namespace: str, read_configmap: Conf
         if size > CONFIGMAP_MAX_BYTES:
             raise CatalogError("CatalogTooLarge", f"{origin}: {size} bytes; a ConfigMap holds at most 1 MiB "
                                "(1048576 bytes): put a bigger catalog in a file or at a URL (spec.catalog.url)")
-        return parse_jsonl(text, origin)
+        return parse_jsonl(text, origin, extra)
     if "url" in source:
-        return parse_jsonl(_fetch(source["url"], namespace, read_secret_key, origin), origin)
+        return parse_jsonl(_fetch(source["url"], namespace, read_secret_key, origin), origin, extra)
     raise CatalogError("CatalogInvalid", "spec.catalog names no source")
 
 

@@ -19,6 +19,7 @@ meant. Vectors are kept unit-length float16 (half the memory; cosine is all plac
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvshard.catalog_schema import Catalog, CatalogError, parse_jsonl
+from kvshard_operator import catalog as catalogs
 from kvshard_operator.vectors import unit
 
 HalfArray = npt.NDArray[np.float16]
@@ -144,3 +146,42 @@ def read_side_file(path: Path, catalog: Catalog, dimension: int | None = None) -
                                f"e.g. {', '.join(map(repr, items))}")
         out[start:start + 65536] = unit(chunk)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A catalog and, when ``spec.catalog.embeddings`` gives them, its vectors (row ``i`` is item ``i``).
+
+    ``vectors`` is None for ``from: Model`` (the operator embeds the texts). A vector is not part of
+    the catalog's version (the line's field is dropped): an item whose text is unchanged is an
+    unchanged item and keeps its cluster, whatever its new vector says, until the next full
+    clustering (``spec.clusters`` changes) — the same rule as for model embeddings."""
+
+    catalog: Catalog
+    vectors: HalfArray | None = None
+
+    @property
+    def digest(self) -> str:
+        """Content hash of the vectors ("" without): part of the clustering's cache key."""
+        if self.vectors is None:
+            return ""
+        return hashlib.blake2b(np.ascontiguousarray(self.vectors).data, digest_size=16).hexdigest()
+
+
+def load(source: Mapping[str, Any], namespace: str, read_configmap: catalogs.ConfigMapReader | None = None,
+         read_secret_key: catalogs.SecretKeyReader | None = None) -> Loaded:
+    """``spec.catalog`` read as :func:`catalog.load_catalog` reads it, plus the vectors its
+    ``embeddings`` names; every vector problem is a :class:`CatalogError` (``EmbeddingsInvalid``
+    for a bad side file, ``CatalogInvalid`` with the line numbers for bad or missing line vectors),
+    so it ends in the CacheShard's conditions like any other catalog error."""
+    spec = VectorSpec.of(source)
+    if spec.source == FIELD:
+        collect = LineVectors(spec.field, spec.dimension)
+        catalog = catalogs.load_catalog(source, namespace, read_configmap, read_secret_key, collect)
+        return Loaded(catalog, collect.matrix())
+    catalog = catalogs.load_catalog(source, namespace, read_configmap, read_secret_key)
+    if spec.source == FILE:
+        if not spec.path:
+            raise CatalogError("EmbeddingsInvalid", "spec.catalog.embeddings.file.path is required when from is File")
+        return Loaded(catalog, read_side_file(Path(spec.path), catalog, spec.dimension))
+    return Loaded(catalog)

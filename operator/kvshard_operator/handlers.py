@@ -30,7 +30,18 @@ from typing import Any
 import kopf
 
 from kvshard import etcd_store
-from kvshard_operator import catalog, crd, guard, kube, metrics, rebalancer, validation, warmth
+from kvshard_operator import (
+    catalog,
+    catalog_vectors,
+    crd,
+    guard,
+    kube,
+    learned,
+    metrics,
+    rebalancer,
+    validation,
+    warmth,
+)
 from kvshard_operator import conditions as cond
 from kvshard_operator.reconcile import (
     EtcdAccess,
@@ -98,7 +109,7 @@ def _pods(index: PodIndex | None, namespace: str | None) -> list[PodView]:
 async def _place(
     trigger: str, *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
     patch: kopf.Patch, memo: Any, pod_index: PodIndex | None, logger: kopf.Logger,
-    preloaded: catalog.Catalog | catalog.CatalogError | None = None,
+    preloaded: catalog_vectors.Loaded | catalog.CatalogError | None = None,
 ) -> None:
     state = _state(memo)
     async with state.lock:
@@ -108,7 +119,7 @@ async def _place(
             generation=meta.get("generation"), pods=_pods(pod_index, namespace), settings=SETTINGS, state=state,
             trigger=trigger, logger=logger,
             read_configmap=kube.read_configmap, read_secret=kube.read_secret,
-            read_secret_key=kube.read_secret_key, preloaded=preloaded,
+            read_secret_key=kube.read_secret_key, preloaded=preloaded, jobs=kube.Jobs(),
         )
     published = outcome.published
     if published is not None and published != status.get("placementGeneration"):
@@ -187,17 +198,17 @@ async def follow_catalog(
     if state.catalog_checked_at is not None and time.monotonic() - state.catalog_checked_at < refresh:
         return
     state.catalog_checked_at = time.monotonic()
-    found: catalog.Catalog | catalog.CatalogError
-    try:
-        loaded = await asyncio.to_thread(catalog.load_catalog, dict(source), str(namespace), kube.read_configmap,
+    found: catalog_vectors.Loaded | catalog.CatalogError
+    try:  # with its vectors (spec.catalog.embeddings), checked as the placement will check them
+        loaded = await asyncio.to_thread(catalog_vectors.load, dict(source), str(namespace), kube.read_configmap,
                                          kube.read_secret_key)
-        found, seen = loaded, loaded.version
+        found, seen = loaded, loaded.catalog.version
     except catalog.CatalogError as exc:
         found, seen = exc, f"error: {exc}"
     if seen == state.catalog_seen:
         return
     logger.info("catalog changed (%s); re-placing", seen if isinstance(found, catalog.CatalogError)
-                else f"version {seen[:12]}, {len(found)} items")
+                else f"version {seen[:12]}, {len(found.catalog)} items")
     await _place("catalog", namespace=namespace, name=name, spec=spec, status=status, meta=meta, patch=patch,
                  memo=memo, pod_index=pod_index, logger=logger, preloaded=found)
 
@@ -226,6 +237,28 @@ async def rebalance(
         # against the freshest object: this tick's ``status`` may predate a placement just published
         patch.fns.append(functools.partial(cond.merge_status, fields=outcome.status, owned=(cond.REBALANCING,),
                                            observed_generation=meta.get("generation")))
+
+
+@kopf.timer(*RESOURCE, interval=SETTINGS.rebalance_check_seconds, initial_delay=SETTINGS.rebalance_check_seconds)
+async def colocate(
+    *, namespace: str | None, name: str, spec: kopf.Spec, memo: Any, logger: kopf.Logger, **_: Any,
+) -> None:
+    """Traffic-learned colocation (:mod:`learned`): once per ``spec.colocation.intervalSeconds``,
+    skipped while a (re)placement or rebalance holds the shard's lock (the next tick tries again)."""
+    if not (spec.get("colocation") or {}).get("enabled"):
+        return
+    state = _state(memo)
+    if state.lock.locked():
+        return
+    if getattr(memo, "kvshard_learned", None) is None:
+        memo.kvshard_learned = learned.LearnedState()
+    async with state.lock:
+        outcome = await learned.colocate_shard(
+            namespace=str(namespace), name=name, spec=dict(spec), state=memo.kvshard_learned, settings=SETTINGS,
+            read_secret=kube.read_secret, now=time.time(), slack_seconds=SETTINGS.rebalance_check_seconds / 2)
+    if outcome is not None and outcome.published is not None:
+        metrics.PLACEMENT_GENERATION.labels(f"{namespace}/{name}").set(outcome.published)
+        logger.info("colocation: %s", outcome.message)
 
 
 @kopf.timer(*RESOURCE, interval=SETTINGS.fidelity_check_seconds, initial_delay=SETTINGS.fidelity_check_seconds)

@@ -1,6 +1,7 @@
-"""The few direct Kubernetes reads the operator needs beyond kopf's watches: a catalog ConfigMap,
-the etcd Secrets (credentials, TLS) and a catalog URL's token Secret. Uses the official client (in-cluster
-config, else KUBECONFIG); calls are blocking, so handlers run them in a thread.
+"""The few direct Kubernetes calls the operator needs beyond kopf's watches: a catalog ConfigMap,
+the etcd Secrets (credentials, TLS), a catalog URL's token Secret, and its embedding Jobs. Uses the
+official client (in-cluster config, else KUBECONFIG); calls are blocking, so handlers run them in a
+thread.
 """
 
 from __future__ import annotations
@@ -64,3 +65,40 @@ def read_secret_key(namespace: str, name: str, key: str) -> str:
     if key not in data:
         raise SecretError(f"Secret {namespace}/{name} has no key {key!r}")
     return base64.b64decode(data[key]).decode()
+
+
+@functools.cache
+def _batch_api() -> Any:
+    import kubernetes
+
+    _core_api()  # loads the configuration
+    return kubernetes.client.BatchV1Api()
+
+
+class JobApiError(RuntimeError):
+    """A Job call failed (RBAC, the API down): the reconcile retries it with backoff."""
+
+
+class Jobs:
+    """:class:`embed_job.JobApi` against the API server (create and get Jobs; never delete)."""
+
+    def read_job(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        import kubernetes
+
+        try:
+            job = _batch_api().read_namespaced_job(name, namespace)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise JobApiError(f"Job {namespace}/{name}: {exc.status} {exc.reason}") from exc
+        found: Mapping[str, Any] = kubernetes.client.ApiClient().sanitize_for_serialization(job)  # type: ignore[no-untyped-call]
+        return found
+
+    def create_job(self, namespace: str, body: Mapping[str, Any]) -> None:
+        import kubernetes
+
+        try:
+            _batch_api().create_namespaced_job(namespace, dict(body))
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:  # created meanwhile (an earlier attempt): the same plan, the same Job
+                raise JobApiError(f"creating Job in {namespace}: {exc.status} {exc.reason}") from exc

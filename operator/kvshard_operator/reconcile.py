@@ -1,6 +1,11 @@
 """One reconciliation of one CacheShard, from the whole object: validate → pods → catalog →
 clusters → assignment (minimal moves from what etcd holds) → publish → status.
 
+The catalog is published beside the generation (:mod:`kvshard.catalog_schema`) and a changed
+catalog is applied as a diff (:mod:`catalog_update`): unchanged items keep their clusters. A
+catalog that cannot be read or checked never replaces the last good one: placement goes on with
+the last good version and ``Degraded`` names the source and its first bad lines.
+
 Kept free of kopf so tests can drive it directly; ``handlers`` only gathers its inputs and applies
 its :class:`Outcome`. User-input errors end in conditions with a reason and no retry (a spec or pod
 change triggers the next attempt); transient errors (etcd down, a lost compare-and-swap) end in
@@ -17,16 +22,23 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvshard import etcd_store
 from kvshard import placement_schema as ps
+from kvshard.etcd_tls import EtcdTLS
+from kvshard.prompt_template import DEFAULT_TEMPLATE, PromptTemplate, TemplateError, missing_fields
 from kvshard.rebalance import RebalanceState
 from kvshard_operator import catalog as catalogs
+from kvshard_operator import catalog_update as updates
+from kvshard_operator import catalog_vectors as given
 from kvshard_operator import conditions as cond
-from kvshard_operator import embedding, metrics, placement, selectors, validation
+from kvshard_operator import embed_job, embedding, metrics, placement, placement_large, selectors, validation
 from kvshard_operator.settings import Settings
+from kvshard_operator.vectors import ArrayVectors
 
-SecretReader = Callable[[str, str], tuple[str, str]]
+SecretReader = Callable[[str, str], Mapping[str, bytes]]
+"""(namespace, name) → a Secret's data, decoded; raises ValueError when it cannot be read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +67,20 @@ class ShardState:
     """Unix time of the last rebalance attempt (the rebalancer waits ``intervalSeconds`` after it)."""
     rebalance: RebalanceState = dataclasses.field(default_factory=RebalanceState)
     """The rebalance policy's memory (interval counter, per-cluster cooldowns) between intervals."""
+    catalog: catalogs.Catalog | None = None
+    """The last good catalog (published, or about to be): the diff base and the fallback."""
+    vectors: given.HalfArray | None = None
+    """The last good catalog's given vectors (``spec.catalog.embeddings`` Field or File), else None."""
+    centroids: updates.Centroids | None = None
+    centroids_key: tuple[str, int] | None = None
+    """(catalog version, k) the centroid sums belong to."""
+    catalog_seen: str | None = None
+    """What the catalog timer last saw (a version, or an error): it re-places only on a change."""
+    catalog_checked_at: float | None = None
+    last_change: str = ""
+    """``+N ~M −K`` of the last catalog change applied."""
+    embedding: dict[str, Any] | None = None
+    """``status.embedding`` of the last embedding Job (:mod:`embed_job`), None when none ran."""
 
 
 @dataclasses.dataclass
@@ -83,19 +109,68 @@ def _fail(status: Mapping[str, Any], generation: int | None, reason: str, messag
     return {"observedGeneration": generation, "conditions": conditions}
 
 
-def _cluster(cat: catalogs.Catalog, k: int, settings: Settings, state: ShardState) -> dict[str, int]:
-    """item → cluster, recomputed only when the catalog, k or the clustering settings change."""
-    key = (cat.content_hash, k, settings.seed, settings.slack_percent, settings.cooccurrence_percent)
+def _cluster(loaded: given.Loaded, k: int, settings: Settings, state: ShardState) -> dict[str, int]:
+    """item → cluster, recomputed only when the catalog, its vectors, k or the clustering settings
+    change. Given vectors skip the model; catalogs of ``settings.large_placement_items`` or more are
+    clustered in bounded memory (:mod:`placement_large`), and its centroids are the ones later
+    catalog changes are placed against."""
+    cat = loaded.catalog
+    large = len(cat) >= settings.large_placement_items
+    key = (cat.content_hash, loaded.digest, k, settings.seed, settings.slack_percent, settings.cooccurrence_percent,
+           large)
     if state.labels_key == key:
         return state.labels
-    vectors = embedding.embed_catalog(cat.ids, cat.texts)
-    if settings.cooccurrence_percent and cat.histories:
-        row = {item: i for i, item in enumerate(cat.ids)}
-        histories = [[row[i] for i in h if i in row] for h in cat.histories]
-        vectors = placement.pull_cooccurring(vectors, histories, settings.cooccurrence_percent)
-    labels = placement.cluster_items(vectors, k, seed=settings.seed, slack_percent=settings.slack_percent)
-    state.labels_key, state.labels = key, {item: int(c) for item, c in zip(cat.ids, labels, strict=True)}
+    raw: npt.NDArray[np.floating] = (embedding.embed_catalog(cat.ids, cat.texts) if loaded.vectors is None
+                                     else loaded.vectors)
+    if large:
+        result = placement_large.cluster_large(ArrayVectors(raw), k, seed=settings.seed,
+                                               slack_percent=settings.slack_percent)
+        labels = result.labels.tolist()
+        state.centroids = result.update_centroids()
+    else:
+        vectors = np.asarray(raw, dtype=np.float32)
+        if settings.cooccurrence_percent and cat.histories:
+            row = {item: i for i, item in enumerate(cat.ids)}
+            histories = [[row[i] for i in h if i in row] for h in cat.histories]
+            vectors = placement.pull_cooccurring(vectors, histories, settings.cooccurrence_percent)
+        labels = [int(c) for c in placement.cluster_items(vectors, k, seed=settings.seed,
+                                                          slack_percent=settings.slack_percent)]
+        state.centroids = updates.Centroids.from_vectors(np.asarray(raw, dtype=np.float32), labels, k)
+    state.labels_key, state.labels = key, dict(zip(cat.ids, labels, strict=True))
+    state.centroids_key = (cat.content_hash, k)
     return state.labels
+
+
+async def _labels(loaded: given.Loaded, k: int, previous: ps.Placement | None, store: etcd_store.EtcdStore,
+                  namespace: str, name: str, settings: Settings, state: ShardState,
+                  logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+                  ) -> tuple[dict[str, int], updates.Update | None]:
+    """item → cluster: the previous generation's when the catalog did not change, the previous ones
+    plus a diff when it did (no re-clustering), a full clustering when there is no catalog-aware
+    previous generation or ``spec.clusters`` changed. Given vectors are read, never embedded."""
+    cat = loaded.catalog
+    source = None if loaded.vectors is None else ArrayVectors(loaded.vectors)
+    if previous is not None and previous.catalog and len(previous.assignment) == k:
+        if previous.catalog == cat.version:
+            return dict(previous.item_clusters), None
+        old = state.catalog if state.catalog is not None and state.catalog.version == previous.catalog else None
+        if old is None:
+            try:
+                old = await store.read_catalog(namespace, name, previous.catalog)
+            except catalogs.CatalogError as exc:
+                logger.warning("previous catalog unreadable (%s); clustering from scratch", exc)
+        if old is not None:
+            centroids = state.centroids if state.centroids_key == (old.version, k) else None
+            if centroids is None:  # after a restart; given vectors exist for the new catalog's rows only
+                centroids = await asyncio.to_thread(updates.sample_centroids, old if source is None else cat,
+                                                    previous.item_clusters, k, embedding.embed_texts,
+                                                    seed=settings.seed, source=source)
+            update = await asyncio.to_thread(updates.apply_change, old, cat, previous.item_clusters, centroids,
+                                             embedding.embed_texts, slack_percent=settings.slack_percent,
+                                             source=source)
+            state.centroids, state.centroids_key = centroids, (cat.version, k)
+            return update.labels, update
+    return await asyncio.to_thread(_cluster, loaded, k, settings, state), None
 
 
 def _cluster_bytes(cat: catalogs.Catalog, labels: Mapping[str, int], bytes_per_token: int) -> dict[int, int]:
@@ -106,16 +181,50 @@ def _cluster_bytes(cat: catalogs.Catalog, labels: Mapping[str, int], bytes_per_t
     return {c: int(b) for c, b in enumerate(sizes)}
 
 
-async def etcd_credentials(spec: Mapping[str, Any], namespace: str,
-                           read_secret: SecretReader | None) -> tuple[str | None, str | None]:
-    """``(username, password)`` from the Secret ``spec.etcd.secretRef`` names, ``(None, None)`` without
-    one; ValueError when it cannot be read (no API access, missing Secret or keys)."""
-    ref = spec["etcd"].get("secretRef")
-    if not ref:
-        return None, None
-    if read_secret is None:
+@dataclasses.dataclass(frozen=True)
+class EtcdAccess:
+    """How the operator reaches one CacheShard's etcd: ``spec.etcd`` with what its Secrets hold."""
+
+    endpoints: tuple[str, ...]
+    username: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    tls: EtcdTLS | None = None
+
+    def store(self, *, timeout: float, attempts: int = 1) -> etcd_store.EtcdStore:
+        return etcd_store.EtcdStore(self.endpoints, username=self.username, password=self.password, tls=self.tls,
+                                    timeout=timeout, attempts=attempts)
+
+
+def etcd_error_kind(exc: etcd_store.EtcdStoreError) -> str:
+    """The ``kind`` label of ``kvshard_operator_publish_errors_total`` for an etcd error."""
+    if isinstance(exc, etcd_store.GenerationConflictError):
+        return "conflict"
+    if isinstance(exc, etcd_store.EtcdAuthError):
+        return "auth"
+    return "tls" if isinstance(exc, etcd_store.EtcdTLSError) else "unavailable"
+
+
+async def etcd_access(spec: Mapping[str, Any], namespace: str, read_secret: SecretReader | None) -> EtcdAccess:
+    """``spec.etcd`` resolved: username and password from the Secret ``secretRef`` names, the CA and
+    client certificate from the Secret ``tls.secretRef`` names (``ca.crt``, ``tls.crt``, ``tls.key``).
+    Both are read on every call, so a renewed certificate is used from the next reconcile on.
+    ValueError when a Secret cannot be read or lacks a key (no API access, missing Secret, no CA)."""
+    etcd = spec["etcd"]
+    ref, tls_spec = etcd.get("secretRef"), etcd.get("tls")
+    if (ref or tls_spec) and read_secret is None:
         raise ValueError("no API access to read the etcd Secret")
-    return await asyncio.to_thread(read_secret, namespace, ref["name"])
+    username = password = None
+    tls = None
+    if ref and read_secret is not None:
+        data = await asyncio.to_thread(read_secret, namespace, ref["name"])
+        if "username" not in data or "password" not in data:
+            raise ValueError(f"Secret {namespace}/{ref['name']} needs keys username and password")
+        username, password = data["username"].decode(), data["password"].decode()
+    if tls_spec and read_secret is not None:
+        name = tls_spec["secretRef"]["name"]
+        data = await asyncio.to_thread(read_secret, namespace, name)
+        tls = EtcdTLS.from_secret(data, secret=f"{namespace}/{name}", server_name=tls_spec.get("serverName", ""))
+    return EtcdAccess(tuple(etcd["endpoints"]), username, password, tls)
 
 
 async def reconcile(
@@ -132,8 +241,15 @@ async def reconcile(
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
     read_configmap: catalogs.ConfigMapReader | None = None,
     read_secret: SecretReader | None = None,
+    read_secret_key: catalogs.SecretKeyReader | None = None,
+    preloaded: given.Loaded | catalogs.Catalog | catalogs.CatalogError | None = None,
+    jobs: embed_job.JobApi | None = None,
 ) -> Outcome:
-    """Place one CacheShard and publish it; never raises for user input or etcd trouble."""
+    """Place one CacheShard and publish it; never raises for user input or etcd trouble.
+
+    ``preloaded`` is the catalog (or its error) the catalog timer just read, so it is not read twice
+    (a bare :class:`Catalog` is read again when ``spec.catalog.embeddings`` gives vectors).
+    """
     started = time.perf_counter()
     try:
         spec = validation.validate_spec(spec)
@@ -149,14 +265,46 @@ async def reconcile(
                        reason="NoPods")
 
     try:
-        cat = await asyncio.to_thread(catalogs.load_catalog, spec["catalog"], namespace, read_configmap)
-        labels = await asyncio.to_thread(_cluster, cat, int(spec["clusters"]), settings, state)
+        template = PromptTemplate.from_spec(spec.get("prompt"))
+    except TemplateError as exc:
+        metrics.INVALID.labels("InvalidSpec").inc()
+        return Outcome(_fail(status, generation, "InvalidSpec", str(exc)), reason="InvalidSpec")
+    problem: catalogs.CatalogError | None = None
+    try:
+        if isinstance(preloaded, catalogs.CatalogError):
+            raise preloaded
+        if isinstance(preloaded, given.Loaded):
+            loaded = preloaded
+        elif isinstance(preloaded, catalogs.Catalog) and given.VectorSpec.of(spec["catalog"]).source == given.MODEL:
+            loaded = given.Loaded(preloaded)
+        else:
+            loaded = await asyncio.to_thread(given.load, spec["catalog"], namespace, read_configmap, read_secret_key)
+        cat = loaded.catalog
+        bad = missing_fields(template, ((i, f) for i, _t, f in cat.records()))
+        if bad:
+            raise catalogs.CatalogError("CatalogInvalid", f"{catalogs.describe(spec['catalog'], namespace)}: "
+                                        + "; ".join(bad), bad)
+        state.catalog_seen = cat.version
     except catalogs.CatalogError as exc:
         metrics.INVALID.labels(exc.reason).inc()
-        return Outcome(_fail(status, generation, exc.reason, str(exc)), reason=exc.reason)
+        state.catalog_seen = f"error: {exc}"
+        if state.catalog is None or missing_fields(template, ((i, f) for i, _t, f in state.catalog.records())):
+            failed = _fail(status, generation, exc.reason, str(exc))
+            failed["conditions"] = cond.set_condition(failed["conditions"], cond.DEGRADED, cond.TRUE, exc.reason,
+                                                      str(exc), observed_generation=generation)
+            return Outcome(failed, reason=exc.reason)
+        problem, cat = exc, state.catalog  # the last good version stays in force
+        assert cat is not None
+        loaded = given.Loaded(cat, state.vectors)
+
+    if loaded.vectors is None and settings.embedding_volume_claim and jobs is not None:
+        embedded = await _embed(loaded, spec, namespace, name, status, generation, settings, state, jobs)
+        if isinstance(embedded, Outcome):
+            return embedded
+        loaded = embedded
 
     try:
-        username, password = await etcd_credentials(spec, namespace, read_secret)
+        access = await etcd_access(spec, namespace, read_secret)
     except ValueError as exc:
         metrics.INVALID.labels("EtcdSecretInvalid").inc()
         return Outcome(_fail(status, generation, "EtcdSecretInvalid", str(exc)), reason="EtcdSecretInvalid")
@@ -165,17 +313,25 @@ async def reconcile(
     history = spec.get("userHistory") or {"policy": "ReplicateAll"}
     history_bytes = placement.parse_bytes(history["perPodBytes"]) if history.get("perPodBytes") else 0
     plan = placement.history_plan(history["policy"], history_bytes, live)
-    clusters = sorted(set(labels.values()))
+    k = int(spec["clusters"])
+    change: updates.Update | None = None
 
-    store = etcd_store.EtcdStore(spec["etcd"]["endpoints"], username=username, password=password,
-                                 timeout=settings.etcd_timeout_seconds, attempts=1)
+    store = access.store(timeout=settings.etcd_timeout_seconds)
     try:
         async with store:
             current = await store.current_generation(namespace, name)
             previous = await store.read_generation(namespace, name, current) if current else None
+            try:
+                labels, change = await _labels(loaded, k, previous, store, namespace, name, settings, state, logger)
+            except catalogs.CatalogError as exc:
+                metrics.INVALID.labels(exc.reason).inc()
+                return Outcome(_fail(status, generation, exc.reason, str(exc)), reason=exc.reason)
+            clusters = sorted(set(labels.values()))
+            if change is not None and previous is not None:  # keep emptied clusters: k stays k
+                clusters = sorted(set(clusters) | {c for c in previous.assignment if c < k})
             if previous is None:
                 prior: Mapping[int, Sequence[str]] = {}
-            elif dict(previous.item_clusters) == labels:
+            elif dict(previous.item_clusters) == labels or change is not None:
                 prior = previous.assignment
             else:
                 prior = placement.inherit_assignment(previous.item_clusters, labels, previous.assignment)
@@ -204,12 +360,20 @@ async def reconcile(
                 revision=spec["model"].get("revision", ""),
                 history_policy=plan.policy,
                 history_bytes_per_pod=plan.bytes_per_pod,
+                catalog=cat.version,
+                prompt=template.as_spec() if template != DEFAULT_TEMPLATE else {},
             )
             if previous is not None and dataclasses.replace(previous, generation=new.generation) == new:
                 published = current  # nothing changed: an idempotent resume publishes nothing
             else:
                 moved = placement.moved_replicas(prior, assignment)
+                await store.put_catalog(namespace, name, cat)
                 published = await store.publish(namespace, name, new, expected=current)
+                await store.prune_catalogs(namespace, name, {cat.version, previous.catalog if previous else ""})
+                if change is not None:
+                    state.last_change = change.diff.summary()
+                    logger.info("catalog change %s (%d edited items re-assigned, %d unchanged moved)",
+                                state.last_change, len(change.reassigned), change.moved_unchanged)
                 metrics.REBALANCES.labels(trigger).inc()
                 metrics.MOVED_REPLICAS.inc(moved)
                 metrics.PLACEMENT_GENERATION.labels(f"{namespace}/{name}").set(published)
@@ -221,6 +385,9 @@ async def reconcile(
     except etcd_store.EtcdAuthError as exc:
         metrics.PUBLISH_ERRORS.labels("auth").inc()
         return _transient(status, generation, state, settings, "EtcdAuthFailed", str(exc))
+    except etcd_store.EtcdTLSError as exc:  # retried: cert-manager may issue or renew the Secret meanwhile
+        metrics.PUBLISH_ERRORS.labels("tls").inc()
+        return _transient(status, generation, state, settings, "EtcdTLSFailed", str(exc))
     except etcd_store.EtcdStoreError as exc:
         metrics.PUBLISH_ERRORS.labels("unavailable").inc()
         return _transient(status, generation, state, settings, "EtcdUnavailable", str(exc))
@@ -228,12 +395,19 @@ async def reconcile(
         metrics.PLACEMENT_SECONDS.observe(time.perf_counter() - started)
 
     state.failures, state.retry_at = 0, None
+    state.catalog, state.vectors = cat, loaded.vectors
     message = f"{len(labels)} items in {len(clusters)} clusters on {len(live)} pods, generation {published}"
     conditions = cond.ensure_all(status.get("conditions"), observed_generation=generation)
     conditions = cond.set_condition(conditions, cond.PLACED, cond.TRUE, "Placed", message,
                                     observed_generation=generation)
-    conditions = cond.set_condition(conditions, cond.DEGRADED, cond.FALSE, "Healthy", "etcd reachable",
-                                    observed_generation=generation)
+    if problem is not None:
+        conditions = cond.set_condition(
+            conditions, cond.DEGRADED, cond.TRUE, problem.reason,
+            f"{problem}; the last good catalog (version {cat.version[:12]}, {len(cat)} items) stays in force",
+            observed_generation=generation)
+    else:
+        conditions = cond.set_condition(conditions, cond.DEGRADED, cond.FALSE, "Healthy",
+                                        "etcd reachable, catalog valid", observed_generation=generation)
     conditions = cond.set_condition(conditions, cond.READY, cond.TRUE, "Published", message,
                                     observed_generation=generation)
     rebalance = spec.get("rebalance") or {}
@@ -246,10 +420,48 @@ async def reconcile(
                                         observed_generation=generation)
     return Outcome(
         {"observedGeneration": generation, "conditions": conditions, "placementGeneration": published,
-         "pods": len(live), "clusters": len(clusters), "itemsPlaced": len(labels)},
+         "pods": len(live), "clusters": len(clusters), "itemsPlaced": len(labels),
+         "catalog": {"version": cat.version, "items": len(cat), "lastChange": state.last_change,
+                     "imbalancePercent": round(updates.imbalance(labels) * 100)},
+         **({"embedding": state.embedding} if state.embedding is not None else {})},
         published=published,
         reason="Published",
     )
+
+
+async def _embed(loaded: given.Loaded, spec: Mapping[str, Any], namespace: str, name: str,
+                 status: Mapping[str, Any], generation: int | None, settings: Settings, state: ShardState,
+                 jobs: embed_job.JobApi) -> given.Loaded | Outcome:
+    """The catalog with its vectors from the shared volume once its embedding Job has written every
+    chunk; until then an Outcome that reports the Job's progress and polls again."""
+    texts = list(loaded.catalog.texts)
+    parallelism = int((spec["catalog"].get("embeddings") or {}).get("parallelism", settings.embedding_parallelism))
+    try:
+        store, plan, report = await asyncio.to_thread(embed_job.stage, namespace, name, texts, parallelism,
+                                                      settings, jobs)
+        if report is None:
+            vectors = await asyncio.to_thread(store.assemble, texts)
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:  # the volume or the Job API (ApiException)
+        return _transient(status, generation, state, settings, "EmbeddingUnavailable", f"{type(exc).__name__}: {exc}")
+    if report is None:
+        if state.embedding is not None and state.embedding.get("state") != "Complete":
+            state.embedding = {**state.embedding, "chunksDone": state.embedding.get("chunks", 0), "activePods": 0,
+                               "state": "Complete", "message": f"all chunks in ({len(texts)} items)"}
+        return given.Loaded(loaded.catalog, vectors)
+    state.embedding = {**report.status, "state": "Failed" if report.failed else "Running", "message": report.message}
+    state.retry_at = time.monotonic() + settings.embedding_poll_seconds
+    conditions = cond.ensure_all(status.get("conditions"), observed_generation=generation)
+    if not cond.is_true(conditions, cond.PLACED):
+        conditions = cond.set_condition(conditions, cond.PLACED, cond.FALSE, "Embedding", report.message,
+                                        observed_generation=generation)
+        conditions = cond.set_condition(conditions, cond.READY, cond.FALSE, "Embedding", report.message,
+                                        observed_generation=generation)
+    if report.failed or report.status["failedPods"]:
+        reason = "EmbeddingFailed" if report.failed else "EmbeddingPodFailed"
+        conditions = cond.set_condition(conditions, cond.DEGRADED, cond.TRUE, reason, report.message,
+                                        observed_generation=generation)
+    return Outcome({"observedGeneration": generation, "conditions": conditions, "embedding": state.embedding},
+                   retry_after=settings.embedding_poll_seconds, reason="Embedding")
 
 
 def _transient(status: Mapping[str, Any], generation: int | None, state: ShardState, settings: Settings,

@@ -36,6 +36,13 @@ class Settings:
     """How much bigger than n/k a cluster may grow (balanced k-means)."""
     cooccurrence_percent: int = 0
     """Pull items that share user histories this % towards each other before clustering (0: off)."""
+    large_placement_items: int = 100_000
+    """Catalogs of at least this many items are clustered by :mod:`placement_large` (centroids trained
+    on a sample, rows assigned in chunks from float16 vectors) instead of the exact balanced k-means
+    over one float32 matrix. Below 100,000 items the exact one is cheap (≤ 154 MB of float32 at 384
+    dimensions, seconds) and is kept for its exactness; at 1 M items it needs 2.4 GB against the
+    sampled one's 0.55 GB for 99.6 % of its mean cosine, and from ~3 M items it no longer fits an
+    operator pod at all. The co-occurrence pull applies only below the threshold."""
     kv_bytes_per_token: int = 23040
     """KV bytes per cached token, to check capacity (SmolLM2-135M: 30 layers·3 kv heads·64·2·bf16)."""
     pod_sync_seconds: float = 2.0
@@ -62,6 +69,25 @@ class Settings:
     CacheShard's ``spec.fidelity.intervalSeconds`` decision may start."""
     prometheus_timeout_seconds: float = 5.0
     """Deadline of each Prometheus query; when it passes the interval is skipped (PrometheusUnavailable)."""
+    embedding_volume_claim: str = ""
+    """ReadWriteMany PVC shared by the operator and its embedding Jobs (:mod:`embed_job`); empty: the
+    operator embeds catalogs in process (fine up to ~10⁴ items at ~117 items/s on two cores)."""
+    embedding_root: str = "/var/lib/kvshard/embeddings"
+    """Where that volume is mounted, in the operator and in the Job's pods."""
+    embedding_image: str = ""
+    """Image of the embedding Job's pods (the operator image carries the worker and the model)."""
+    embedding_cpu: str = "1"
+    """CPU request of each embedding pod (the worker is compute-bound: one core each)."""
+    embedding_memory: str = "1Gi"
+    """Memory request and limit of each embedding pod (the model is ~90 MB; a chunk is small)."""
+    embedding_parallelism: int = 2
+    """Pods of an embedding Job at once when the CacheShard sets no ``spec.catalog.embeddings.parallelism``."""
+    embedding_chunk_items: int = 1024
+    """Items per content-addressed chunk (one Job index): ~9 s of one worker at 117 items/s."""
+    embedding_backoff_limit: int = 6
+    """Failed pods an embedding Job retries before it gives up (the Kubernetes default)."""
+    embedding_poll_seconds: float = 5.0
+    """How often a CacheShard waiting on its embedding Job looks at the Job and the volume again."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -13,12 +13,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvshard.catalog_schema import parse_record
+from kvshard.datasets import Item
 from kvshard.request_errors import RequestError
+from kvshard_sidecar.engine.methods import METHODS, method_settings
 from kvshard_sidecar.engine.settings import SELECTORS, BlendSettings, SettingsError
 
 MAX_ID_LENGTH = 256
 MAX_INSTRUCTION_LENGTH = 2000
-BLEND_FIELDS = {"selector", "ratio", "check_layers", "schedule", "boundary_w", "deviation_on", "recompute_free"}
+BLEND_FIELDS = {"method", "selector", "ratio", "check_layers", "schedule", "boundary_w", "deviation_on",
+                "recompute_free", "epic_k"}
 RECOMMEND_FIELDS = {"user_id", "history", "candidates", "instruction", "mode", "top_k", "max_tokens", "temperature",
                     "blend", "logprobs"}
 MODES = ("rank", "generate")
@@ -56,6 +60,8 @@ class RecommendCall:
     temperature: float = 0.0
     blend: BlendSettings = field(default_factory=BlendSettings)
     logprobs: int = 0  # how many top first-token logprobs to return
+    inline: Mapping[str, Item] = field(default_factory=dict)
+    """Items given as ``{"id", "text", ...}`` that the catalog lacks (cold items), by id."""
 
 
 @dataclass(frozen=True)
@@ -87,24 +93,40 @@ def _identifier(value: Any, where: str) -> str:
 
 
 def _item_ids(value: Any, where: str, known: Mapping[str, object], limit: int, *, allow_empty: bool,
-              unique: bool) -> tuple[str, ...]:
+              unique: bool, inline: dict[str, Item] | None = None) -> tuple[str, ...]:
+    """Item ids; with ``inline`` an entry may also be an object ``{"id", "text", ...}`` (a cold item):
+    its text is used when the catalog lacks the id, and collected into ``inline``."""
     if not isinstance(value, list):
         raise RequestError(where, f"must be a list of item ids, got {type(value).__name__}")
     if not value and not allow_empty:
         raise RequestError(where, "must not be empty")
     if len(value) > limit:
         raise RequestError(where, f"has {len(value)} entries; at most {limit} are allowed")
-    ids = tuple(_identifier(v, f"{where}[{i}]") for i, v in enumerate(value))
-    for i, item in enumerate(ids):
-        if item not in known:
-            raise RequestError(f"{where}[{i}]", f"unknown item id {item!r}", status=422)
+    ids: list[str] = []
+    for i, entry in enumerate(value):
+        if inline is not None and isinstance(entry, dict):
+            parsed = parse_record(entry)
+            if isinstance(parsed, str):
+                raise RequestError(f"{where}[{i}]", parsed)
+            item_id, text, fields = parsed
+            if item_id not in known:
+                inline.setdefault(item_id, Item(item_id, text, fields))
+            ids.append(item_id)
+        else:
+            ids.append(_identifier(entry, f"{where}[{i}]"))
+    unknown = [(i, item) for i, item in enumerate(ids) if item not in known and item not in (inline or {})]
+    if unknown:
+        i, item = unknown[0]
+        names = ", ".join(repr(u) for _, u in unknown[:10]) + (" …" if len(unknown) > 10 else "")
+        hint = ' (give {"id": ..., "text": ...} to serve an item the catalog lacks)' if inline is not None else ""
+        raise RequestError(f"{where}[{i}]", f"unknown item id {item!r}; unknown: {names}{hint}", status=422)
     if unique and len(set(ids)) != len(ids):
         seen: set[str] = set()
         for i, item in enumerate(ids):
             if item in seen:
                 raise RequestError(f"{where}[{i}]", f"duplicate item id {item!r}")
             seen.add(item)
-    return ids
+    return tuple(ids)
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float,
@@ -126,11 +148,13 @@ def parse_blend(value: Any, defaults: BlendSettings, num_layers: int | None = No
         return defaults
     blend = _object(value, BLEND_FIELDS, "blend")
     changes: dict[str, Any] = {}
+    if "method" in blend:
+        defaults = _method(blend, defaults)
     if "selector" in blend:
         if blend["selector"] not in SELECTORS:
             raise RequestError("blend.selector", f"must be one of {', '.join(SELECTORS)}")
         changes["selector"] = blend["selector"]
-    if "ratio" in blend:
+    if "ratio" in blend and "method" not in blend:  # a method applies its ratio itself
         changes["ratio"] = float(_number(blend, "ratio", 0.0, 0.0, 1.0, where="blend."))
     if "deviation_on" in blend:
         if blend["deviation_on"] not in ("k", "v", "kv"):
@@ -138,6 +162,8 @@ def parse_blend(value: Any, defaults: BlendSettings, num_layers: int | None = No
         changes["deviation_on"] = blend["deviation_on"]
     if "boundary_w" in blend:
         changes["boundary_w"] = int(_number(blend, "boundary_w", 0, 0, 4096, integer=True, where="blend."))
+    if "epic_k" in blend:
+        changes["epic_k"] = int(_number(blend, "epic_k", 0, 0, 4096, integer=True, where="blend."))
     if "recompute_free" in blend:
         if not isinstance(blend["recompute_free"], bool):
             raise RequestError("blend.recompute_free", "must be true or false")
@@ -164,6 +190,26 @@ def parse_blend(value: Any, defaults: BlendSettings, num_layers: int | None = No
     return settings
 
 
+def _method(blend: Mapping[str, Any], defaults: BlendSettings) -> BlendSettings:
+    """A named method (``cacheblend``, ``epic``, ``deviation+structure`` …) as the request's starting point;
+    ``selector`` cannot be given beside it (the method names one), ``ratio`` applies on top."""
+    spec = blend["method"]
+    if "selector" in blend:
+        raise RequestError("blend.method", "give either method or selector, not both")
+    names = spec.split("+") if isinstance(spec, str) else []
+    if not names or names[0] not in METHODS:
+        raise RequestError("blend.method", f"must be one of {', '.join(METHODS)}, optionally with +tail, "
+                           "+structure or +segment")
+    if "ape" in names[1:]:
+        raise RequestError("blend.method", "+ape needs the model's attention calibration, which this sidecar "
+                           "does not load")
+    ratio = float(_number(blend, "ratio", defaults.ratio, 0.0, 1.0, where="blend."))
+    try:
+        return method_settings(spec, ratio, defaults.with_(schedule=()))
+    except (ValueError, TypeError) as error:
+        raise RequestError("blend.method", str(error)) from None
+
+
 def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
                     blend_defaults: BlendSettings | None = None) -> RecommendCall:
     """Validate a ``POST /v1/recommend`` body against the catalog ``items``."""
@@ -179,8 +225,9 @@ def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
     if mode not in MODES:
         raise RequestError("mode", f"must be one of {', '.join(map(repr, MODES))}")
     blend = parse_blend(request.get("blend"), blend_defaults or BlendSettings(), limits.num_layers)
+    inline: dict[str, Item] = {}
     candidates = _item_ids(request["candidates"], "candidates", items, limits.max_candidates,
-                           allow_empty=False, unique=True)
+                           allow_empty=False, unique=True, inline=inline)
     max_tokens = int(_number(request, "max_tokens", 1, 1, limits.max_new_tokens, integer=True))
     temperature = float(_number(request, "temperature", 0.0, 0.0, 2.0))
     logprobs = int(_number(request, "logprobs", 0, 0, MAX_LOGPROBS, integer=True))
@@ -200,7 +247,7 @@ def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
     return RecommendCall(
         user_id=_identifier(request["user_id"], "user_id"),
         history=_item_ids(request.get("history", []), "history", items, limits.max_history,
-                          allow_empty=True, unique=False),
+                          allow_empty=True, unique=False, inline=inline),
         candidates=candidates,
         instruction=instruction,
         mode=mode,
@@ -209,6 +256,7 @@ def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
         temperature=temperature,
         blend=blend,
         logprobs=logprobs,
+        inline=inline,
     )
 
 

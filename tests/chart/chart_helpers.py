@@ -32,6 +32,7 @@ VALUES_CASES: dict[str, Path | None] = {
     "autoscaling": CI_VALUES / "autoscaling-values.yaml",
     "autoscaling-keda": CI_VALUES / "autoscaling-keda-values.yaml",
     "monitoring-off": CI_VALUES / "monitoring-off-values.yaml",
+    "embedding": CI_VALUES / "embedding-values.yaml",
     "kind": REPO / "e2e" / "values-kind.yaml",
 }
 

@@ -35,7 +35,9 @@ def test_discovery_names_the_singular_and_short_names_but_not_for_subresources()
     assert {r["name"]: r["singularName"] for r in core["resources"] if "/" not in r["name"]} == {
         "namespaces": "namespace", "pods": "pod", "configmaps": "configmap", "secrets": "secret", "events": "event"}
     assert resources.api_resource_list(TYPES, "kvshard.io", "v9") is None
-    assert resources.api_group_list(TYPES)["groups"][0]["preferredVersion"]["groupVersion"] == "kvshard.io/v1alpha1"
+    groups = {g["name"]: g for g in resources.api_group_list(TYPES)["groups"]}
+    assert set(groups) == {"batch", "kvshard.io"}  # batch: the operator's embedding Jobs
+    assert groups["kvshard.io"]["preferredVersion"]["groupVersion"] == "kvshard.io/v1alpha1"
 
 
 @pytest.mark.parametrize(("path", "expected"), [
@@ -112,7 +114,7 @@ def test_builtin_pod_columns() -> None:
 
 def test_openapi_index_and_crd_document() -> None:
     index = openapi.index(TYPES)["paths"]
-    assert set(index) == {"api/v1", "apis/kvshard.io/v1alpha1"}
+    assert set(index) == {"api/v1", "apis/batch/v1", "apis/kvshard.io/v1alpha1"}
     url = index["apis/kvshard.io/v1alpha1"]["serverRelativeURL"]
     assert url.startswith("/openapi/v3/apis/kvshard.io/v1alpha1?hash=")
     doc = openapi.document(TYPES, "kvshard.io", "v1alpha1")
