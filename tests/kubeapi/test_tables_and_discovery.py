@@ -65,7 +65,7 @@ def test_printer_columns_come_from_the_crd() -> None:
     names = [c.name for c in CACHESHARDS.columns]
     assert names[:7] == ["Ready", "Warm", "Clusters", "Pods", "Generation", "Age", "Warm Clusters"]
     wide = {c.name for c in CACHESHARDS.columns if c.priority == 1}
-    assert wide == {"Warm Clusters", "Warm Pods", "Message"}
+    assert wide == {"Warm Clusters", "Warm Pods", "Ratio", "Fidelity", "Message"}
 
 
 def test_a_table_row_per_object_from_the_printer_columns() -> None:
@@ -76,7 +76,8 @@ def test_a_table_row_per_object_from_the_printer_columns() -> None:
     assert [c["name"] for c in table["columnDefinitions"]][:3] == ["Name", "Ready", "Warm"]
     cells = dict(zip([c["name"] for c in table["columnDefinitions"]], table["rows"][0]["cells"], strict=True))
     assert cells == {"Name": "local", "Ready": "True", "Warm": "False", "Clusters": 4, "Pods": 1, "Generation": 2,
-                     "Age": "3m20s", "Warm Clusters": None, "Warm Pods": None, "Message": "16 items"}
+                     "Age": "3m20s", "Warm Clusters": None, "Warm Pods": None, "Ratio": None, "Fidelity": None,
+                     "Message": "16 items"}
     assert table["rows"][0]["object"]["kind"] == "PartialObjectMetadata"
     assert "object" not in tables.table(CACHESHARDS.columns, [obj], include="None")["rows"][0]
     assert tables.table(CACHESHARDS.columns, [obj], include="Object")["rows"][0]["object"] == obj
