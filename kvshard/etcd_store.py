@@ -10,6 +10,7 @@ router and the sidecars share one key layout (DESIGN §6) and one set of semanti
     /kvshard/v1/<namespace>/<name>/warm/<pod>              clusters the pod has warmed
     /kvshard/v1/<namespace>/<name>/catalog/<version>/…      catalog versions (content-addressed, chunked)
     /kvshard/v1/<namespace>/<name>/blend                   blend settings in force (compare-and-swap)
+    /kvshard/v1/<namespace>/<name>/corequest/<router>      a router's top co-requested pairs (leased)
 
 Publishing writes the whole generation first and only then compare-and-swaps ``current``, so a
 reader that follows ``current`` never sees a half-written generation, and two writers cannot both
@@ -38,6 +39,7 @@ import grpc
 
 from kvshard import blend_policy as bp
 from kvshard import catalog_schema as cs
+from kvshard import corequest_schema as crs
 from kvshard import placement_schema as ps
 from kvshard.etcd_tls import EtcdTLS, diagnose, endpoint_host, is_ip
 
@@ -133,6 +135,16 @@ def blend_key(namespace: str, name: str) -> str:
     """``blend``: the blend settings in force (:class:`kvshard.blend_policy.BlendPolicy`), changed only
     by compare-and-swap on the key's version."""
     return shard_prefix(namespace, name) + "blend"
+
+
+def corequest_prefix(namespace: str, name: str) -> str:
+    """``corequest/``: each router's last interval of co-requested cluster pairs
+    (:mod:`kvshard.corequest_schema`), under a lease so a router that died stops counting."""
+    return shard_prefix(namespace, name) + "corequest/"
+
+
+def corequest_key(namespace: str, name: str, router: str) -> str:
+    return corequest_prefix(namespace, name) + router
 
 
 class EtcdStore:
@@ -472,6 +484,30 @@ class EtcdStore:
     async def delete_warm(self, namespace: str, name: str, pod: str) -> None:
         """Forget a pod's warm set (it left the placement)."""
         await self._call("delete", self._kv.delete(warm_key(namespace, name, pod), timeout=self.timeout))
+
+    # ---------------------------------------------------------------------------------- co-requests
+
+    async def put_corequest(self, namespace: str, name: str, report: crs.CoRequestReport, *,
+                            ttl_seconds: int) -> None:
+        """A router publishes its interval's top pairs; etcd deletes them after ``ttl_seconds`` unless
+        the router publishes again (a new lease each interval, as for heat snapshots)."""
+        data = report.encode()
+        lease_svc = self._client.lease
+        assert lease_svc is not None
+        lease = await self._call("lease", lease_svc.grant(ttl_seconds, timeout=self.timeout))
+        await self._call("put", self._kv.put(corequest_key(namespace, name, report.router), data,
+                                             lease=lease.ID, timeout=self.timeout))
+
+    async def read_corequest(self, namespace: str, name: str) -> dict[str, crs.CoRequestReport]:
+        """Router → its live report. Unreadable reports are skipped (one bad writer fails no reader)."""
+        prefix = corequest_prefix(namespace, name)
+        out: dict[str, crs.CoRequestReport] = {}
+        for kv in (await self._range("read", prefix)).kvs:
+            try:
+                out[kv.key.decode()[len(prefix):]] = crs.CoRequestReport.decode(kv.value)
+            except crs.CoRequestFormatError as exc:
+                logging.getLogger(__name__).warning("skipping %s: %s", kv.key.decode(), exc)
+        return out
 
     # ---------------------------------------------------------------------------------- catalog versions
 

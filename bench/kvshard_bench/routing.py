@@ -17,6 +17,12 @@ to 105 %, and a budget of two warm-ups per pod per interval (``--move-budget``).
 a small sweep (θ ∈ {125, 150, 200}, budget ∈ {8, 16, 32} on 16 pods): the burst needs ~30 warm-ups, so
 with the library defaults (θ = 200, budget 8) it takes four intervals instead of two to settle.
 
+``affinity+learned`` (issue 15) adds no replication: every interval the routers' co-request sketch
+(:mod:`kvshard_router.corequest`) feeds the operator's colocation (:mod:`kvshard_operator.colocation`),
+which swaps clusters between pods within a budget of two moves per pod, keeping each pod's request share
+≤ 1.1 × the mean. ``--oracle`` adds ``affinity+oracle``: the same colocation computed in hindsight from
+the whole trace, in place from the start — what learning could reach at best with this method.
+
 Separately, the router's real decision time: the affinity ``choose`` on a snapshot of ``--decision-pods``
 pods and ``--items`` items (10 M by default), wall clock and thread CPU time, p50/p99.
 
@@ -63,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rebalance θ: replicate clusters above this percent of the mean rate per replica")
     parser.add_argument("--move-budget", type=int, default=None,
                         help="replica warm-ups per rebalance interval (default: 2 per pod)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="add an affinity+oracle row: the colocation learned from the whole trace in hindsight, "
+                             "in place from the start (an upper bound for affinity+learned)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of hit ratio and imbalance over time")
@@ -147,18 +156,27 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         move_budget=2 * args.pods if args.move_budget is None else args.move_budget,
         drop_budget=args.pods,
     )
-    setups: dict[str, tuple[RoutingPolicy, RebalanceSettings | None]] = {
-        "round-robin": (make_policy("round-robin"), None),
-        "least-loaded": (make_policy("least-loaded"), None),
-        "prefix-aware": (make_policy("prefix-aware"), None),
-        "affinity": (make_policy("affinity", load_penalty_tokens=lam), None),
-        "affinity+rebalance": (make_policy("affinity", load_penalty_tokens=lam), rebalancing),
+    learning = sim.LearningSettings(move_budget=2 * args.pods)
+    setups: dict[str, tuple[RoutingPolicy, RebalanceSettings | None, sim.LearningSettings | None]] = {
+        "round-robin": (make_policy("round-robin"), None, None),
+        "least-loaded": (make_policy("least-loaded"), None, None),
+        "prefix-aware": (make_policy("prefix-aware"), None, None),
+        "affinity": (make_policy("affinity", load_penalty_tokens=lam), None, None),
+        "affinity+rebalance": (make_policy("affinity", load_penalty_tokens=lam), rebalancing, None),
+        # no hot-cluster replication: only the co-request-learned swaps (issue 15)
+        "affinity+learned": (make_policy("affinity", load_penalty_tokens=lam), None, learning),
     }
+    if args.oracle:
+        setups["affinity+oracle"] = (make_policy("affinity", load_penalty_tokens=lam), None, None)
     results: list[sim.Result] = []
     with tqdm(total=len(setups) * len(trace.requests), desc="routing", unit="req", leave=False) as bar:
-        for name, (policy, knobs) in setups.items():
+        for name, (policy, knobs, learns) in setups.items():
             bar.set_postfix_str(name)
-            results.append(sim.Simulation(trace, model, knobs).run(name, policy, bar.update))
+            simulation = sim.Simulation(trace, model, knobs, learns)
+            moved = simulation.place_in_hindsight(learning) if name == "affinity+oracle" else 0
+            result = simulation.run(name, policy, bar.update)
+            result.actions += moved
+            results.append(result)
     timing = decision_time(args.items, args.decision_pods, args.candidates, seed=args.seed)
 
     windows = list(sim.windows_of(trace, model))

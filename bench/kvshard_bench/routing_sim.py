@@ -44,7 +44,9 @@ import numpy.typing as npt
 from kvshard.datasets import Dataset
 from kvshard.placement_schema import Placement
 from kvshard.rebalance import PodStats, RebalanceSettings, RebalanceState, rebalance
+from kvshard_operator import colocation
 from kvshard_operator import placement as op_placement
+from kvshard_router.corequest import CoRequestSketch
 from kvshard_router.policies import RouteRequest, RoutingPolicy
 from kvshard_router.snapshot import FloatArray, ItemIndex, Snapshot, build_snapshot
 
@@ -199,11 +201,36 @@ class _Load:
         return self.counts
 
 
-class Simulation:
-    """Replays a trace against pods with one routing policy (optionally rebalancing every interval)."""
+@dataclasses.dataclass(frozen=True)
+class LearningSettings:
+    """Traffic-learned placement: the routers' co-request sketch → the operator's colocation."""
 
-    def __init__(self, trace: Trace, model: ModelSettings, rebalancing: RebalanceSettings | None) -> None:
-        self.trace, self.model, self.rebalancing = trace, model, rebalancing
+    sketch_pairs: int = 4096
+    top_pairs: int = 1024
+    move_budget: int = 16
+    """Clusters moved per interval at most (two per swap)."""
+    keep: float = 0.5
+    """Weight the operator's co-request graph keeps from one interval to the next."""
+    min_gain: float = 0.0
+    """Share of the graph's weight a swap must gain to be taken."""
+    max_load: float | None = 1.1
+    """No pod's request share above this × the mean (None: ignore load — measured to gain nothing:
+    the topics traffic asks for pile onto a few pods, which saturate)."""
+
+
+class Simulation:
+    """Replays a trace against pods with one routing policy (optionally rebalancing every interval,
+    optionally co-locating co-requested clusters every interval: ``learning``)."""
+
+    def __init__(self, trace: Trace, model: ModelSettings, rebalancing: RebalanceSettings | None,
+                 learning: LearningSettings | None = None) -> None:
+        self.trace, self.model, self.rebalancing, self.learning = trace, model, rebalancing, learning
+        self.sketch = CoRequestSketch(learning.sketch_pairs) if learning is not None else None
+        self.leaving: dict[tuple[int, str], str] = {}
+        """(cluster, new holder) → the old holder, which keeps serving until the new one is warm."""
+        self.moves = 0
+        self.graph: dict[tuple[int, int], float] = {}
+        self.cluster_rates: dict[int, float] = {}
         self.pods = tuple(f"pod-{j:03d}" for j in range(model.pods))
         clusters = sorted(set(trace.labels.tolist()))
         self.assignment: dict[int, tuple[str, ...]] = {
@@ -214,6 +241,20 @@ class Simulation:
         self.lru_size = max(1, int(model.lru_slack * len(trace.item_ids) / model.pods))
         self.generation = 1
         self.snapshot = self._snapshot()
+
+    def place_in_hindsight(self, learning: LearningSettings) -> int:
+        """Start from the colocation the whole trace would teach (every request counted, no movement
+        budget, the same load cap): an oracle the online learner cannot beat by much, so its hit ratio
+        bounds what co-request-aware placement can do on this trace. Returns the clusters moved."""
+        sketch = CoRequestSketch(capacity=1 << 30)
+        for rows in self.trace.item_rows:
+            sketch.add(int(self.trace.labels[item]) for item in rows)
+        result = colocation.colocate(self.assignment, sketch.counts, rates=sketch.rates,
+                                     max_load=learning.max_load or 1.0, max_moves=len(self.assignment) ** 2)
+        self.assignment = result.assignment
+        self.warm = {p: {c for c, h in self.assignment.items() if p in h} for p in self.pods}
+        self.snapshot = self._snapshot()
+        return len(result.moved)
 
     def _snapshot(self) -> Snapshot:
         placement = Placement(self.generation, self.assignment, {}, pods=self.pods)
@@ -244,6 +285,8 @@ class Simulation:
                 if self.rebalancing is not None:
                     state, acted = self._rebalance(rates, window, interval, state, next_tick, pending)
                     actions += acted
+                if self.sketch is not None:
+                    actions += self._colocate(interval, next_tick, pending)
                 rates.clear()
                 window = _Window(len(self.pods))
                 next_tick += interval
@@ -252,6 +295,9 @@ class Simulation:
                     _, c, pod = heapq.heappop(pending)
                     if pod in self.assignment.get(c, ()):
                         self.warm[pod].add(c)
+                    old = self.leaving.pop((c, pod), None)
+                    if old is not None and old not in self.assignment.get(c, ()):
+                        self.warm[old].discard(c)  # make-before-break: the old copy goes once the new is warm
                 self.snapshot = self._snapshot()
             while done and done[0][0] <= now:
                 load.counts[heapq.heappop(done)[1]] -= 1
@@ -261,6 +307,8 @@ class Simulation:
             cached = 0
             warm, cache = self.warm[chosen], lru[p]
             req_tokens = int(tokens[rows].sum())
+            if self.sketch is not None:
+                self.sketch.add(int(labels[item]) for item in rows)
             for item in rows:
                 c, t = int(labels[item]), int(tokens[item])
                 rates[c] += t / req_tokens
@@ -287,6 +335,28 @@ class Simulation:
         windows_imb.append(window.imbalance())
         return Result(name, hits / max(1, total), float(np.percentile(latencies, 99)), latencies,
                       windows_hit, windows_imb, actions)
+
+    def _colocate(self, interval: float, now: float, pending: list[tuple[float, int, str]]) -> int:
+        assert self.sketch is not None and self.learning is not None
+        learning = self.learning
+        pairs, rates = dict(self.sketch.top(learning.top_pairs)), dict(self.sketch.top_rates(learning.top_pairs))
+        self.sketch.reset()
+        self.graph = colocation.remember(self.graph, pairs, keep=learning.keep, limit=learning.sketch_pairs)
+        self.cluster_rates = colocation.remember(self.cluster_rates, rates, keep=learning.keep,
+                                                 limit=learning.sketch_pairs)
+        result = colocation.colocate(self.assignment, self.graph, max_moves=learning.move_budget,
+                                     rates=self.cluster_rates if learning.max_load else None,
+                                     max_load=learning.max_load or 1.0, min_gain=learning.min_gain)
+        for c in result.moved:
+            old, new = self.assignment[c][0], result.assignment[c][0]
+            self.leaving[(c, new)] = old
+            heapq.heappush(pending, (now + self.model.warmup_fraction * interval, c, new))
+        if result.moved:
+            self.assignment = result.assignment
+            self.generation += 1
+            self.snapshot = self._snapshot()
+        self.moves += len(result.moved)
+        return len(result.moved)
 
     def _rebalance(
         self,

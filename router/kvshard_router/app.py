@@ -7,7 +7,10 @@ cleanup they stop in reverse. Nothing is persisted: a restarted router rebuilds 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -15,6 +18,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshard.etcd_store import EtcdStore
+from kvshard_router.corequest import CoRequestSketch
+from kvshard_router.corequest_publisher import CoRequestPublisher
 from kvshard_router.follower import PlacementFollower
 from kvshard_router.health import HealthChecker
 from kvshard_router.metrics import NO_POD, RouterMetrics
@@ -43,13 +48,16 @@ class RouterApp:
         self.router: Router | None = None
         self.health: HealthChecker | None = None
         self.follower: PlacementFollower | None = None
+        self.corequest: CoRequestSketch | None = None
+        self.publisher: CoRequestPublisher | None = None
+        self.publisher_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         s = self.settings
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), raise_for_status=False)
         self.router = Router(self.state, self.policy, self.load, self.metrics, self.session,
                              request_timeout=s.request_timeout_seconds, connect_timeout=s.connect_timeout_seconds,
-                             history_tokens=s.history_tokens)
+                             history_tokens=s.history_tokens, corequest=self._corequest())
         self.health = HealthChecker(self.state, self.session, interval=s.health_interval_seconds,
                                     timeout=s.connect_timeout_seconds)
         self.health.start()
@@ -57,9 +65,24 @@ class RouterApp:
             namespace, name = s.shard()
             self.follower = PlacementFollower(self.store, namespace, name, self.state)
             self.follower.start()
+            if self.corequest is not None:
+                self.publisher = CoRequestPublisher(
+                    self.store, namespace, name, s.router_name or socket.gethostname(), self.corequest,
+                    interval_seconds=s.corequest_interval_seconds, top=s.corequest_top_pairs)
+                self.publisher_task = asyncio.create_task(self.publisher.run(), name="corequest-publisher")
         log.info("router serving policy %s for %s", s.policy, s.cacheshard or "-")
 
+    def _corequest(self) -> CoRequestSketch | None:
+        """A co-request sketch when there is an etcd to publish it to and counting is on."""
+        if self.store is not None and self.settings.corequest_interval_seconds > 0:
+            self.corequest = CoRequestSketch(capacity=4 * self.settings.corequest_top_pairs)
+        return self.corequest
+
     async def stop(self) -> None:
+        if self.publisher_task is not None:
+            self.publisher_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.publisher_task
         if self.follower is not None:
             await self.follower.stop()
         if self.health is not None:

@@ -29,8 +29,9 @@ import numpy as np
 from aiohttp import web
 
 from kvshard.request_errors import RequestError, error_body
+from kvshard_router.corequest import CoRequestSketch
 from kvshard_router.metrics import NO_POD, RouterMetrics, status_class
-from kvshard_router.policies import POLICIES, LoadTable, RouteRequest, RoutingPolicy
+from kvshard_router.policies import POLICIES, LoadTable, RoutingPolicy
 from kvshard_router.snapshot import Snapshot
 from kvshard_router.state import RouterState
 from kvshard_router.validation import parse_recommend
@@ -80,7 +81,7 @@ class Router:
 
     def __init__(self, state: RouterState, policy: RoutingPolicy, load: LoadTable, metrics: RouterMetrics,
                  session: aiohttp.ClientSession, *, request_timeout: float, connect_timeout: float,
-                 history_tokens: int = 0) -> None:
+                 history_tokens: int = 0, corequest: CoRequestSketch | None = None) -> None:
         self.state = state
         self.policy = policy
         self.load = load
@@ -88,6 +89,8 @@ class Router:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         self.history_tokens = history_tokens
+        self.corequest = corequest
+        """Counts which clusters are requested together (published to etcd for the operator)."""
 
     def _count(self, pod: str | None, status: int) -> None:
         self.metrics.requests.labels(pod or NO_POD, status_class(status)).inc()
@@ -117,8 +120,11 @@ class Router:
             return error_response(503, "pods", f"none of the {len(snapshot.pods)} pods of generation "
                                   f"{snapshot.generation} is healthy",
                                   {"Retry-After": RETRY_AFTER_SECONDS, **generation})
-        clusters = self._clusters(route, snapshot)
+        found = snapshot.clusters_of(route.items)
+        clusters = [int(c) for c in np.unique(found[found >= 0])]
         self.metrics.count_clusters(self.metrics.cluster_requests, clusters)
+        if self.corequest is not None:
+            self.corequest.add(found.tolist())
 
         first = await self._forward(pod, raw, content_type)
         if isinstance(first, Upstream):
@@ -139,12 +145,6 @@ class Router:
         self.state.set_health(other, False, second.reason)
         return error_response(502, "pods", f"pod {pod} {first.reason}; pod {other} {second.reason}",
                               {"Retry-After": RETRY_AFTER_SECONDS, **generation})
-
-    @staticmethod
-    def _clusters(route: RouteRequest, snapshot: Snapshot) -> list[int]:
-        """Distinct known clusters of the request's candidates."""
-        found = snapshot.clusters_of(route.items)
-        return [int(c) for c in np.unique(found[found >= 0])]
 
     def _reply(self, answer: Upstream, snapshot: Snapshot, clusters: list[int]) -> web.Response:
         if 200 <= answer.status < 300:

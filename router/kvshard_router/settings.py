@@ -51,6 +51,10 @@ class RouterSettings:
                                              "/readyz probe may take")
     item_tokens: int = setting(16, "tokens assumed per item block when scoring pods")
     history_tokens: int = setting(0, "tokens credited for the user-history block (replicated on every pod)")
+    corequest_interval_seconds: float = setting(
+        30.0, "seconds between publishes of the co-requested cluster pairs to etcd (0: not counted)")
+    corequest_top_pairs: int = setting(1024, "co-requested cluster pairs (and clusters) published per interval")
+    router_name: str = setting("", "this router's name under corequest/ in etcd (empty: the host name)")
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -58,9 +62,11 @@ class RouterSettings:
         for name in ("health_interval_seconds", "request_timeout_seconds", "connect_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise settings_lib.SettingsError(f"{name} must be > 0")
-        for name in ("load_penalty_tokens", "item_tokens", "history_tokens"):
+        for name in ("load_penalty_tokens", "item_tokens", "history_tokens", "corequest_interval_seconds"):
             if getattr(self, name) < 0:
                 raise settings_lib.SettingsError(f"{name} must be >= 0")
+        if self.corequest_top_pairs < 1:
+            raise settings_lib.SettingsError("corequest_top_pairs must be >= 1")
         bad = [e for e in self.etcd_endpoints if not _HOST_PORT.fullmatch(e)]
         if bad:
             raise settings_lib.SettingsError(f"etcd_endpoints: {', '.join(bad)} is not host:port")

@@ -43,6 +43,9 @@ BoolArray = npt.NDArray[np.bool_]
 
 UNKNOWN = -1
 """Cluster id returned for an item the placement does not know (a cold-start item)."""
+MAX_PADDED_HOLDERS = 8
+"""Widest holder list the dense holder matrix is built for (beyond it: the CSR gather, whose size does
+not grow with the most replicated cluster)."""
 
 
 def _hashes(ids: Iterable[str], count: int) -> UIntArray:
@@ -194,6 +197,11 @@ class Snapshot:
     default_item_tokens: int = 16
     pod_index: Mapping[str, int] = dataclasses.field(default_factory=dict)
     healthy_indices: Int32Array = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    padded: Int32Array | None = None
+    """The holders as a dense (clusters + 1) × H matrix padded with ``len(pods)`` (a pod that does not
+    exist), last row all padding; None when some cluster has more than :data:`MAX_PADDED_HOLDERS`.
+    It turns :meth:`cached_tokens` into one gather and one ``bincount`` (numpy's per-call overhead,
+    not arithmetic, is what a 20-candidate decision spends its time on)."""
 
     @property
     def clusters(self) -> int:
@@ -218,6 +226,13 @@ class Snapshot:
     def cached_tokens(self, clusters: IntArray, tokens: npt.ArrayLike) -> FloatArray:
         """Per pod: Σ ``tokens[j]`` over items ``j`` whose cluster the pod holds (item blocks only)."""
         tk = np.asarray(tokens, dtype=np.float64)
+        padded = self.padded
+        if padded is not None:
+            # unknown (−1) and out-of-range clusters both land on the all-padding last row
+            rows = padded[np.where((clusters >= 0) & (clusters < self.clusters), clusters, -1)]
+            weights = np.repeat(np.broadcast_to(tk, clusters.shape), padded.shape[1])
+            credit = np.bincount(rows.ravel(), weights=weights, minlength=len(self.pods) + 1)[:-1]
+            return credit.astype(np.float64, copy=False)
         known = (clusters >= 0) & (clusters < self.clusters)
         cl, tk = clusters[known], tk[known] if tk.ndim else np.full(int(known.sum()), float(tk))
         starts = self.indptr[cl].astype(np.int64)
@@ -300,6 +315,12 @@ def build_snapshot(
         else:
             holder_rows.append(assigned_rows[c])
     indptr, flat = _csr(holder_rows)
+    width = max((len(r) for r in holder_rows), default=0)
+    padded = None
+    if width <= MAX_PADDED_HOLDERS:
+        padded = np.full((n_clusters + 1, max(1, width)), len(pods), dtype=np.int32)
+        for c, row in enumerate(holder_rows):
+            padded[c, : len(row)] = row
     a_indptr, a_flat = _csr(assigned_rows)
     mask = np.array([status.get(p, default_healthy) for p in pods], dtype=np.bool_)
     return Snapshot(
@@ -315,4 +336,5 @@ def build_snapshot(
         default_item_tokens=default_item_tokens,
         pod_index=index,
         healthy_indices=np.flatnonzero(mask).astype(np.int32),
+        padded=padded,
     )

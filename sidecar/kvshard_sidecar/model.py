@@ -24,6 +24,7 @@ import torch
 
 from kvshard.paths import models_dir
 from kvshard.segments import ModelIdentity
+from kvshard_sidecar import device_memory
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,9 @@ def load_model(path: Path | str | None = None, dtype: str = "float32", device: s
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype))
+    memory = device_memory.free_device_memory(device)
+    if memory is not None:  # refuse with the numbers rather than die in a CUDA out-of-memory error
+        device_memory.check(*memory, device_memory.need_for(device_memory.weight_bytes(model)), device=device)
     model = model.to(torch.device(device))  # type: ignore[arg-type]
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)

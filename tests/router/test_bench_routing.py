@@ -20,12 +20,14 @@ def test_small_run_reports_every_policy_and_writes_json_and_png(tmp_path: Path) 
     rows = routing.run(args)
 
     by_policy = {row["policy"]: row for row in rows}
-    assert list(by_policy) == ["round-robin", "least-loaded", "prefix-aware", "affinity", "affinity+rebalance"]
+    assert list(by_policy) == ["round-robin", "least-loaded", "prefix-aware", "affinity", "affinity+rebalance",
+                               "affinity+learned"]
     for row in rows:
         assert {"policy", "hit_ratio", "imbalance", "p99_ms", "decision_p99_us"} <= set(row)
         assert 0 <= row["hit_ratio"] <= 1 and row["imbalance"] >= 1 and row["p99_ms"] > 0
     assert by_policy["affinity"]["hit_ratio"] > 1.3 * by_policy["round-robin"]["hit_ratio"]
     assert by_policy["affinity+rebalance"]["rebalance_actions"] > 0
     assert by_policy["round-robin"]["rebalance_actions"] == 0
+    assert by_policy["affinity+learned"]["rebalance_actions"] > 0  # colocation moved clusters
     assert json.loads((tmp_path / "routing.json").read_text()) == rows
     assert (tmp_path / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
