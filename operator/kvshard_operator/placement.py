@@ -84,7 +84,7 @@ def pull_cooccurring(
     return normalise(out)
 
 
-def _kmeans_centroids(x: FloatArray, k: int, rng: np.random.Generator, iterations: int) -> FloatArray:
+def kmeans_centroids(x: FloatArray, k: int, rng: np.random.Generator, iterations: int) -> FloatArray:
     """Spherical Lloyd iterations on ``x`` from a random start; empty clusters are re-seeded."""
     centroids = x[rng.choice(len(x), size=k, replace=False)].copy()
     for _ in range(iterations):
@@ -180,7 +180,7 @@ def cluster_items(
     rng = np.random.default_rng(seed)
     sample_size = min(n, max(k * sample_per_cluster, 10_000))
     sample = x if sample_size == n else x[np.sort(rng.choice(n, size=sample_size, replace=False))]
-    centroids = _kmeans_centroids(sample, k, rng, iterations)
+    centroids = kmeans_centroids(sample, k, rng, iterations)
     cand, score = _top_candidates(x, centroids, candidates)
     cap = max(1, -(-n * (100 + slack_percent) // (100 * k)))
     return _capacity_bounded(x, centroids, cand, score, cap)

@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvshard_operator.catalog_update import Centroids
+from kvshard_operator.placement import kmeans_centroids
 from kvshard_operator.vectors import FloatArray, IndexArray, VectorSource, unit
 
 Labels = npt.NDArray[np.int32]
@@ -80,30 +81,6 @@ class LargePlacement:
 # ---------------------------------------------------------------------------------------------- training
 
 
-def _nearest(x: FloatArray, centroids: FloatArray) -> IndexArray:
-    out = np.empty(len(x), dtype=np.int64)
-    ct = np.ascontiguousarray(centroids.T)
-    for start in range(0, len(x), CHUNK):
-        out[start:start + CHUNK] = np.argmax(x[start:start + CHUNK] @ ct, axis=1)
-    return out
-
-
-def _lloyd(x: FloatArray, k: int, rng: np.random.Generator, iterations: int) -> FloatArray:
-    """Spherical k-means on ``x`` (unit rows); empty clusters are re-seeded from random rows."""
-    centroids = x[rng.choice(len(x), size=k, replace=False)].copy()
-    for _ in range(iterations):
-        labels = _nearest(x, centroids)
-        sizes = np.bincount(labels, minlength=k)
-        order = np.argsort(labels, kind="stable")
-        present = np.flatnonzero(sizes)
-        sums = np.zeros_like(centroids)
-        sums[present] = np.add.reduceat(x[order], np.concatenate(([0], np.cumsum(sizes[present])[:-1])))
-        empty = np.flatnonzero(sizes == 0)
-        sums[empty] = x[rng.choice(len(x), size=len(empty), replace=False)]
-        centroids = unit(sums)
-    return centroids
-
-
 def _shares(sizes: npt.NDArray[np.int64], k: int) -> npt.NDArray[np.int64]:
     """``k`` split proportionally to ``sizes`` (largest remainder), ≥ 1 per non-empty group, never
     more than the group's size."""
@@ -130,7 +107,7 @@ def train(source: VectorSource, k: int, *, seed: int = 0, sample_per_cluster: in
     rows = np.arange(n) if size == n else np.sort(rng.choice(n, size=size, replace=False))
     x = source.take(rows)
     k1 = max(1, min(k, round(math.sqrt(k))))
-    coarse = _lloyd(x, k1, rng, iterations)
+    coarse = kmeans_centroids(x, k1, rng, iterations)
     cand, score = top_candidates(x, coarse, min(4, k1))
     group_cap = -(-len(x) * (100 + slack_percent) // (100 * k1))
     groups = capacity_bounded(cand, score, group_cap, k1)
@@ -145,7 +122,7 @@ def train(source: VectorSource, k: int, *, seed: int = 0, sample_per_cluster: in
         if share[g] == 0:
             continue
         xg = x[order[bounds[g]:bounds[g + 1]]]
-        fine.append(_lloyd(xg, int(share[g]), rng, iterations))
+        fine.append(kmeans_centroids(xg, int(share[g]), rng, iterations))
         owner.append(np.full(int(share[g]), g, dtype=np.int64))
     group = np.concatenate(owner)
     book = Codebook(coarse, np.concatenate(fine), group, tuple(np.flatnonzero(group == g) for g in range(k1)))
