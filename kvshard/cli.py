@@ -32,6 +32,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "a catalog change (+1 % / ~0.5 % / -0.5 %) as a diff vs placing from scratch: publish time, "
                 "unchanged items moved, diff time and memory"),
     "fidelity": ("kvshard_bench.fidelity", "TTFT and fidelity of every blend method vs full prefill"),
+    "guard": ("kvshard_bench.guard", "the fidelity guard's cost on the local cluster: p50/p99 TTFT with shadow checks "
+              "on (sampleRate 5 %) vs off on the same trace, shadow checks and their agreement"),
     "peer": ("kvshard_bench.peer", "block fetch from a real peer sidecar over loopback vs a local disk read (MB/s)"),
     "vllm": ("kvshard_bench.vllm", "TTFT: vLLM + KvshardConnector vs the embedded engine vs vLLM with prefix caching"),
     "routing": ("kvshard_bench.routing",

@@ -106,6 +106,9 @@ def _status(status: Mapping[str, Any], generation: int | None, policy: bp.BlendP
     out: dict[str, Any] = {"blend": {"method": policy.method, "ratioPercent": round(policy.ratio * 100),
                                      "reason": policy.reason}}
     if fidelity and decision is None:
+        # a spec change restarts the controller: drop the previous spec's measurement (the local-cluster
+        # run showed the new starting ratio beside the old ratio's agreement until the first interval ended)
+        out["fidelity"] = {"samples": 0, "windowSeconds": int(fidelity["windowSeconds"])}
         out["conditions"] = cond.set_condition(status.get("conditions"), FIDELITY_MET, cond.UNKNOWN,
                                                "InsufficientSamples", "no fidelity interval has ended yet",
                                                observed_generation=generation)

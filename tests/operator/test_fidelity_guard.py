@@ -94,6 +94,8 @@ def test_below_target_the_ratio_steps_up_once_and_is_published_with_cas(
         assert first.published == bp.BlendPolicy("tail", 0.15, 0.05)
         assert (await in_force(etcd, "strict"))[0] == first.published
         assert first.status["blend"] == {"method": "tail", "ratioPercent": 15, "reason": "Spec"}
+        # a (new) spec has measured nothing yet: no agreement left over from a previous spec's ratio
+        assert first.status["fidelity"]["samples"] == 0 and "agreementPercent" not in first.status["fidelity"]
         assert [c["reason"] for c in first.status["conditions"] if c["type"] == FIDELITY_MET] == [
             "InsufficientSamples"]
         # not due yet: nothing decided, nothing published
