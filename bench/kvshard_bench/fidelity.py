@@ -46,7 +46,9 @@ from kvshard_bench.frontier import SWEEP_METHODS, SWEEP_RATIOS, format_sweep, pl
 from kvshard_bench.tables import format_rows
 from kvshard_sidecar.adapter_merge import MODEL_HELP, resolve_model
 from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings, MemoryBlockSource
+from kvshard_sidecar.engine.contexts import averaging_contexts
 from kvshard_sidecar.engine.methods import method_settings as named_settings
+from kvshard_sidecar.engine.settings import PREFILL_CONTEXTS
 
 Row = dict[str, Any]
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.3)
@@ -90,8 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{MODEL_HELP} (default: base)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per request and method (default: 1)")
-    parser.add_argument("--prefill-context", choices=["standalone", "system", "neutral"], default="system",
-                        help="how segment blocks are prefilled (default: %(default)s)")
+    parser.add_argument("--prefill-context", choices=list(PREFILL_CONTEXTS), default="system",
+                        help="how segment blocks are prefilled; 'averaged': item blocks averaged over "
+                             "--appearances seeded in-list contexts (default: %(default)s)")
+    parser.add_argument("--appearances", type=int, default=3,
+                        help="in-list appearances an 'averaged' item block is averaged over (default: %(default)s)")
     parser.add_argument("--neutral-text", default="\nCandidates:\nA. ",
                         help="text behind the system segment that 'neutral' prefill puts before later segments "
                              "(default: %(default)r)")
@@ -122,10 +127,12 @@ def schedule(first: float, ratio: float, layers: int) -> tuple[float, ...]:
     return tuple(start + (ratio - start) * i / (layers - 1) for i in range(layers))
 
 
-def base_settings(args: argparse.Namespace, neutral: tuple[int, ...] = ()) -> BlendSettings:
+def base_settings(args: argparse.Namespace, neutral: tuple[int, ...] = (),
+                  averaged: tuple[tuple[int, ...], ...] = ()) -> BlendSettings:
     """The settings every method starts from (prefill context, deviation options) before its own."""
     return BlendSettings(
         neutral_context=neutral if args.prefill_context == "neutral" else (),
+        averaged_contexts=averaged if args.prefill_context == "averaged" else (),
         prefill_context=args.prefill_context, deviation_on=args.deviation_on,
         deviation_weight=args.deviation_weight,
         check_layers=tuple(args.check_layers), recompute_free=args.recompute_free,
@@ -133,10 +140,11 @@ def base_settings(args: argparse.Namespace, neutral: tuple[int, ...] = ()) -> Bl
 
 
 def method_settings(
-    args: argparse.Namespace, neutral: tuple[int, ...] = (), calibration: tuple[float, float] | None = None
+    args: argparse.Namespace, neutral: tuple[int, ...] = (), calibration: tuple[float, float] | None = None,
+    averaged: tuple[tuple[int, ...], ...] = (),
 ) -> list[tuple[str, float, BlendSettings]]:
     """Every (method, ratio, settings) the benchmark runs besides ``full`` and ``prefix``."""
-    base = base_settings(args, neutral)
+    base = base_settings(args, neutral, averaged)
     sweeping = getattr(args, "sweep", False)
     methods = getattr(args, "methods", None) or (SWEEP_METHODS if sweeping else DEFAULT_METHODS)
     ratios = args.ratios if args.ratios is not None else (SWEEP_RATIOS if sweeping else DEFAULT_RATIOS)
@@ -184,6 +192,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     tokenizer = engine_tokenizer(model)
     builder = PromptBuilder(tokenizer, dataset)
     neutral = tuple(tokenizer.encode(args.neutral_text, add_special_tokens=False))
+    averaged = in_list_contexts(builder, tokenizer, args.appearances, args.seed) \
+        if args.prefill_context == "averaged" else ()
     rows: list[Row] = []
     for history in args.history:
         for candidates in args.candidates:
@@ -193,21 +203,22 @@ def run(args: argparse.Namespace) -> list[Row]:
                 raise SystemExit(f"no user of {args.dataset} has more than {history} interactions")
             size = {"history": history, "candidates": candidates}
             if args.attribution:
-                found = run_attribution(engine, requests, base_settings(args, neutral), score)
+                found = run_attribution(engine, requests, base_settings(args, neutral, averaged), score)
                 print(f"attribution: {len(requests)} requests, {history} history items, {candidates} candidates, "
                       f"prefill context {args.prefill_context}; blend recomputes only the question")
                 print(format_attribution(found))
                 rows += [{**size, **row} for row in found]
                 continue
-            calibration = _calibration(args, engine, model, builder, dataset, history, candidates, neutral,
-                                       [r.user_id for r in sampled])
-            methods = method_settings(args, neutral, calibration)
+            calibration = _calibration(args, engine, model, builder, dataset, history, candidates,
+                                       base_settings(args, neutral, averaged), [r.user_id for r in sampled])
+            methods = method_settings(args, neutral, calibration, averaged)
             found = measure(args, engine, requests, methods)
             rows += [{**size, **row} for row in found]
     if not args.attribution:
         print(format_sweep(rows) if args.sweep else format_table(rows))
     if args.memory and not args.attribution:
-        report_memory(args, [m for m in method_settings(args, neutral, (1.0, 1.0)) if "+ape" not in m[0]], rows)
+        report_memory(args, [m for m in method_settings(args, neutral, (1.0, 1.0), averaged)
+                             if "+ape" not in m[0]], rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     if args.sweep:
@@ -219,8 +230,18 @@ def run(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def in_list_contexts(builder: PromptBuilder, tokenizer: Any, appearances: int, seed: int
+                     ) -> tuple[tuple[int, ...], ...]:
+    """Seeded in-list contexts for ``averaged`` item blocks from the catalog: the prompt's own list
+    header and labels, other catalog items as the neighbours (tokenized as the prompt tokenizes them)."""
+    labels = [tuple(tokenizer.encode(f"{label}. ", add_special_tokens=False)) for label in builder.labels]
+    items = sorted(builder.dataset.items)
+    fillers = [builder.item_segment(item).token_ids for item in items]
+    return averaging_contexts(builder.candidates_segment.token_ids, labels, fillers, appearances, seed)
+
+
 def _calibration(args: argparse.Namespace, engine: BlendEngine, model: Path, builder: PromptBuilder, dataset: Any,
-                 history: int, candidates: int, neutral: tuple[int, ...], users: list[str]
+                 history: int, candidates: int, base: BlendSettings, users: list[str]
                  ) -> tuple[float, float] | None:
     """The model's attention calibration when a method asks for it (``+ape``), else ``None``."""
     methods = args.methods or (SWEEP_METHODS if args.sweep else DEFAULT_METHODS)
@@ -228,7 +249,6 @@ def _calibration(args: argparse.Namespace, engine: BlendEngine, model: Path, bui
         return None
     from kvshard_bench.calibrate import load_or_calibrate, overlap
 
-    base = base_settings(args, neutral)
     calibration = load_or_calibrate(engine, model, builder, dataset, history, candidates, base, args.recalibrate)
     shared = overlap(calibration, users)
     if shared:

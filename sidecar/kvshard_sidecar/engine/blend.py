@@ -15,9 +15,10 @@ One request goes through four steps, each timed:
    unselected tokens contribute their cached KV, selected ones their fresh KV, and ``r = 1`` is a full
    prefill. The last position (always selected: it is in the suffix) gives the first-token logits.
 
-Blocks are prefilled standalone at position 0, behind the prompt's system segment, or behind the
-system segment plus a short neutral text (``BlendSettings.prefill_context``); the block key's
-``context`` records which, so they never collide. Leading segments whose block is an exact prefix
+Blocks are prefilled standalone at position 0, behind the prompt's system segment, behind the
+system segment plus a short neutral text, or (item blocks) averaged over several such in-list
+contexts (``BlendSettings.prefill_context``, :mod:`.contexts`); the block key's ``context`` records
+which, so they never collide. Leading segments whose block is an exact prefix
 of the prompt (the first segment; behind a system context also the one right after it) are never
 recomputed — a prefix cache would not recompute them either.
 
@@ -38,6 +39,16 @@ import torch
 from kvshard.segments import ModelIdentity, Prompt, Segment, SegmentKind, block_key
 from kvshard_sidecar.blockstore.block import KVBlock
 from kvshard_sidecar.engine.calibration import calibrated_attention, stale_rows
+from kvshard_sidecar.engine.contexts import (
+    appearance_texts,
+    average_blocks,
+    behind_system_only,
+    context_tag,
+    exact_segments,
+    is_averaged,
+    later_text,
+    system_context,
+)
 from kvshard_sidecar.engine.executor import Executor
 from kvshard_sidecar.engine.kvbuffer import KVBuffer
 from kvshard_sidecar.engine.oracle import Oracle
@@ -94,16 +105,20 @@ class BlendEngine:
     def block_keys(self, prompt: Prompt, settings: BlendSettings | None = None) -> list[str]:
         """The key of every segment's block as this engine stores it (the suffix's too, unused)."""
         settings = settings or self.settings
-        context_segment = _system_context(prompt, settings.prefill_context)
+        context_segment = system_context(prompt, settings.prefill_context)
         context_key = block_key(self.identity, context_segment) if context_segment else ""
-        neutral = _neutral_segment(settings) if context_segment is not None else None
+        neutral = later_text(settings) if context_segment is not None else None
         later_key = f"{context_key}+{block_key(self.identity, neutral, context_key)}" if neutral else context_key
+        averaged_key = context_tag([f"{context_key}+{block_key(self.identity, text, context_key)}"
+                                    for text in appearance_texts(settings)])
         keys = []
         for index, segment in enumerate(prompt.segments):
             if context_segment is None or index == 0:
                 context = ""
+            elif behind_system_only(prompt, index, settings):
+                context = context_key
             else:
-                context = context_key if _behind_system_only(prompt, index, settings) else later_key
+                context = averaged_key if is_averaged(prompt, index, settings) else later_key
             keys.append(block_key(self.identity, segment, context))
         return keys
 
@@ -153,9 +168,14 @@ class BlendEngine:
         return blocks
 
     def _fetch_or_compute(
-        self, segments: Sequence[Segment], keys: Sequence[str], context: KVBlock | None, stats: _Assembly
+        self, segments: Sequence[Segment], keys: Sequence[str], context: KVBlock | None, stats: _Assembly,
+        averaged_over: Sequence[KVBlock] = (),
     ) -> list[KVBlock]:
-        """Blocks for ``segments``: store hits as they are, misses computed in one batch and stored."""
+        """Blocks for ``segments``: store hits as they are, misses computed in one batch and stored.
+
+        With ``averaged_over`` (contexts, one per appearance) a miss is the mean of its position-free
+        blocks prefilled behind each of them (:func:`average_blocks`) instead of one behind ``context``.
+        """
         found: list[KVBlock | None] = []
         start = time.perf_counter()
         for segment, key in zip(segments, keys, strict=True):
@@ -169,7 +189,11 @@ class BlendEngine:
         missing = [i for i, block in enumerate(found) if block is None]
         if missing:
             start = time.perf_counter()
-            computed = self.prefill_segments([segments[i] for i in missing], context)
+            todo = [segments[i] for i in missing]
+            if averaged_over:
+                computed = average_blocks([self.prefill_segments(todo, c) for c in averaged_over])
+            else:
+                computed = self.prefill_segments(todo, context)
             for index, block in zip(missing, computed, strict=True):
                 self.store.put(keys[index], block)
                 found[index] = block
@@ -196,7 +220,7 @@ class BlendEngine:
         self._place(kv, blocks)
         self._sync()
         stats.timings["assemble"] += time.perf_counter() - start
-        stats.exact_prefix = spans[_exact_segments(prompt, settings, cached)].start
+        stats.exact_prefix = spans[exact_segments(prompt, settings, cached)].start
         return stats
 
     def _blocks(self, prompt: Prompt, settings: BlendSettings, count: int, stats: _Assembly) -> list[KVBlock]:
@@ -205,19 +229,23 @@ class BlendEngine:
         keys = self.block_keys(prompt, settings)[:count]
         if not segments:
             return []
-        if _system_context(prompt, settings.prefill_context) is None:
+        if system_context(prompt, settings.prefill_context) is None:
             return self._fetch_or_compute(segments, keys, None, stats)
         system = self._fetch_or_compute(segments[:1], keys[:1], None, stats)[0]
-        alone = [i for i in range(1, count) if _behind_system_only(prompt, i, settings)]
-        later = [i for i in range(1, count) if i not in alone]
+        alone = [i for i in range(1, count) if behind_system_only(prompt, i, settings)]
+        averaged = [i for i in range(1, count) if is_averaged(prompt, i, settings)]
+        later = [i for i in range(1, count) if i not in alone and i not in averaged]
         found: dict[int, KVBlock] = {0: system}
-        for group, context in ((alone, system), (later, None)):
+        for group, kind in ((alone, "alone"), (later, "later"), (averaged, "averaged")):
             if not group:
                 continue
-            neutral = _neutral_segment(settings)
-            if context is None:
-                context = system if neutral is None else self._neutral_context(system, neutral, keys[0], stats)
-            blocks = self._fetch_or_compute([segments[i] for i in group], [keys[i] for i in group], context, stats)
+            neutral = later_text(settings)
+            context = system if kind == "alone" or neutral is None else self._neutral_context(
+                system, neutral, keys[0], stats)
+            over = [self._neutral_context(system, text, keys[0], stats)
+                    for text in appearance_texts(settings)] if kind == "averaged" else []
+            blocks = self._fetch_or_compute([segments[i] for i in group], [keys[i] for i in group], context, stats,
+                                            averaged_over=over)
             found.update(zip(group, blocks, strict=True))
         return [found[i] for i in range(count)]
 
@@ -285,9 +313,10 @@ class BlendEngine:
     @torch.inference_mode()
     def prefix(self, prompt: Prompt, settings: BlendSettings | None = None) -> BlendResult:
         """Baseline: what a prefix cache does at best — reuse the exact-prefix blocks, prefill the rest."""
-        settings = settings or self.settings.with_(prefill_context="system", neutral_context=())
+        settings = settings or self.settings.with_(prefill_context="system", neutral_context=(),
+                                                       averaged_contexts=())
         start = time.perf_counter()
-        exact = _exact_segments(prompt, settings, len(prompt.segments) - 1)
+        exact = exact_segments(prompt, settings, len(prompt.segments) - 1)
         stats = self._assemble(prompt, settings, upto=exact)
         ids = torch.tensor(prompt.token_ids, dtype=torch.long, device=self.executor.device)
         rest = torch.arange(stats.exact_prefix, len(prompt), device=self.executor.device)
@@ -484,40 +513,3 @@ class BlendEngine:
         if self.executor.device.type == "cuda":
             torch.cuda.synchronize(self.executor.device)
 
-
-def _neutral_segment(settings: BlendSettings) -> Segment | None:
-    if settings.prefill_context != "neutral":
-        return None
-    return Segment(SegmentKind.FREE, settings.neutral_context)
-
-
-def _system_context(prompt: Prompt, mode: str) -> Segment | None:
-    """The segment other blocks are prefilled behind: the leading SYSTEM segment (``system``/``neutral``)."""
-    if mode in ("system", "neutral") and len(prompt.segments) > 1 and prompt.segments[0].kind is SegmentKind.SYSTEM:
-        return prompt.segments[0]
-    return None
-
-
-def _behind_system_only(prompt: Prompt, index: int, settings: BlendSettings) -> bool:
-    """Whether segment ``index`` is prefilled behind the system segment alone (so exact at index 1).
-
-    In ``system`` mode every segment is. In ``neutral`` mode only a HISTORY segment right after the
-    system segment is (it is an exact prefix there); everything else goes behind system + neutral
-    text — decided by kind, so warming ``[system, item]`` stores the key a request will look up.
-    """
-    if settings.prefill_context == "system":
-        return True
-    return index == 1 and prompt.segments[index].kind is SegmentKind.HISTORY
-
-
-def _exact_segments(prompt: Prompt, settings: BlendSettings, cached: int) -> int:
-    """How many leading segments (of the ``cached`` fetched ones) have exactly full-prefill KV.
-
-    The first is computed at offset 0 with nothing before it, like in the prompt. Behind a system
-    context, the segment right after it also saw exactly what precedes it in the prompt.
-    """
-    exact = min(1, cached)
-    if (exact and cached >= 2 and _system_context(prompt, settings.prefill_context) is not None
-            and _behind_system_only(prompt, 1, settings)):
-        exact = 2
-    return exact

@@ -63,9 +63,9 @@ def _named(name: str, ratio: float, base: BlendSettings) -> BlendSettings:
         return base.with_(**_PLAIN, selector="tail", ratio=1.0, schedule=())
     if name == "cacheblend":
         return base.with_(**_PLAIN, selector="cacheblend", ratio=ratio, prefill_context="standalone",
-                          neutral_context=(), check_layers=(1,), schedule=(), deviation_on="k",
+                          neutral_context=(), averaged_contexts=(), check_layers=(1,), schedule=(), deviation_on="k",
                           deviation_weight="none")
     if name == "epic":
         return base.with_(**_PLAIN, selector="epic", ratio=ratio, prefill_context="standalone",
-                          neutral_context=())
+                          neutral_context=(), averaged_contexts=())
     return base.with_(selector=name, ratio=ratio, schedule=() if name in ("boundary", "tail") else base.schedule)

@@ -19,7 +19,8 @@ from kvshard.blend_policy import DEFAULT_METHOD, DEFAULT_RATIO
 SelectorName = Literal["none", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic"]
 DeviationOn = Literal["k", "v", "kv"]
 DeviationWeight = Literal["none", "attention"]
-PrefillContext = Literal["standalone", "system", "neutral"]
+PrefillContext = Literal["standalone", "system", "neutral", "averaged"]
+PREFILL_CONTEXTS: tuple[PrefillContext, ...] = ("standalone", "system", "neutral", "averaged")
 Granularity = Literal["token", "segment"]
 
 SELECTORS: tuple[SelectorName, ...] = ("none", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic")
@@ -85,8 +86,13 @@ class BlendSettings:
             CacheBlend), ``system`` (behind the prompt's system segment, which is then an exact
             prefix, and so is the first segment after it) or ``neutral`` (like ``system`` for the
             first segment after it; every later segment behind the system segment followed by the
-            ``neutral_context`` tokens, a short fixed text shaped like what precedes it in prompts).
+            ``neutral_context`` tokens, a short fixed text shaped like what precedes it in prompts) or
+            ``averaged`` (like ``neutral`` with ``averaged_contexts[0]`` as the text, but every item
+            block is the mean of its position-free KV over one prefill behind each of
+            ``averaged_contexts``; see :mod:`.contexts`).
         neutral_context: token ids of that text (``neutral`` mode only).
+        averaged_contexts: token ids of each appearance's context (``averaged`` mode only; one
+            appearance is ``neutral`` with that text).
         device: torch device of the model.
         dtype: ``float32`` on CPU; ``bfloat16``/``float16`` on CUDA.
         threads: torch intra-op threads; ``None`` leaves torch's default.
@@ -108,6 +114,7 @@ class BlendSettings:
     attention_scale: float = 1.0
     prefill_context: PrefillContext = "system"
     neutral_context: tuple[int, ...] = ()
+    averaged_contexts: tuple[tuple[int, ...], ...] = ()
     device: str = "cpu"
     dtype: str = "float32"
     threads: int | None = field(default=None, compare=False)
@@ -146,12 +153,15 @@ class BlendSettings:
             raise SettingsError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
         if self.deviation_weight not in ("none", "attention"):
             raise SettingsError(f"deviation_weight must be 'none' or 'attention', got {self.deviation_weight!r}")
-        if self.prefill_context not in ("standalone", "system", "neutral"):
-            raise SettingsError(
-                f"prefill_context must be 'standalone', 'system' or 'neutral', got {self.prefill_context!r}"
-            )
+        if self.prefill_context not in PREFILL_CONTEXTS:
+            raise SettingsError(f"prefill_context must be one of {PREFILL_CONTEXTS}, got {self.prefill_context!r}")
         if (self.prefill_context == "neutral") != bool(self.neutral_context):
             raise SettingsError("neutral_context (token ids) is required by, and only used in, 'neutral' mode")
+        if (self.prefill_context == "averaged") != bool(self.averaged_contexts):
+            raise SettingsError("averaged_contexts (token ids per appearance) is required by, and only used in, "
+                                "'averaged' mode")
+        if any(not context for context in self.averaged_contexts):
+            raise SettingsError("every averaged_contexts entry needs at least one token")
         if self.epic_k is not None and self.epic_k < 0:
             raise SettingsError(f"epic_k must be >= 0, got {self.epic_k}")
         if not 0.0 <= self.tail_weight <= 1.0:
