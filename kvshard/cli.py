@@ -33,7 +33,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "unchanged items moved, diff time and memory"),
     "fidelity": ("kvshard_bench.fidelity", "TTFT and fidelity of every blend method vs full prefill"),
     "guard": ("kvshard_bench.guard", "the fidelity guard's cost on the local cluster: p50/p99 TTFT with shadow checks "
-              "on (sampleRate 5 %) vs off on the same trace, shadow checks and their agreement"),
+              "on (sampleRate 5 %) vs off in alternating blocks of the same trace, shadow checks and their agreement"),
     "peer": ("kvshard_bench.peer", "block fetch from a real peer sidecar over loopback vs a local disk read (MB/s)"),
     "vllm": ("kvshard_bench.vllm", "TTFT: vLLM + KvshardConnector vs the embedded engine vs vLLM with prefix caching"),
     "routing": ("kvshard_bench.routing",
@@ -131,6 +131,13 @@ def _add_demo_command(sub: Any) -> None:
     demo.add_argument("--burst-timeout", type=float, default=150.0,
                       help="longest the burst waits for a rebalance, seconds (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="trace seed (default: %(default)s)")
+    demo.add_argument("--fidelity-target", type=int, default=90, metavar="PERCENT",
+                      help="spec.fidelity.targetAgreementPercent set on the CacheShard; the summary and the PNG "
+                           "show the ratio the guard keeps in force (0: no target; default: %(default)s)")
+    demo.add_argument("--fidelity-sample-rate", type=int, default=10, metavar="PERCENT",
+                      help="share of requests shadow-checked against full prefill (default: %(default)s)")
+    demo.add_argument("--fidelity-interval", type=int, default=20, metavar="SECONDS",
+                      help="the guard's decision interval; the window is three intervals (default: %(default)s)")
     demo.set_defaults(handler=_lazy("kvshard_bench.demo", "run"))
 
 

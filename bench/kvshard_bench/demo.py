@@ -16,6 +16,10 @@ of the same requests is re-sent one at a time straight to the sidecar that serve
 with ``blend.ratio = 1`` (exact full prefill), for TTFT, agreement of the chosen candidate and the
 quality of both rankings against the item the user rated next. The numbers and
 the picture come from :mod:`demo_report`; files go to ``--out`` (default ``<user cache>/demo``).
+
+Before the replay the demo sets a fidelity target on its CacheShard (``spec.fidelity``,
+``--fidelity-target`` 90 % by default, 0: none): the sidecars shadow-check a share of the requests and
+the operator moves the recompute ratio to meet the target; :mod:`demo_fidelity` reports its decisions.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import aiohttp
 from kvshard.datasets import Dataset, load_dataset
 from kvshard.paths import cache_dir
 from kvshard.placement_schema import Placement
+from kvshard_bench import demo_fidelity
 from kvshard_bench import demo_report as report
 from kvshard_bench.demo_trace import DemoRequest, DemoTrace, DemoTraceSettings, ItemSpace, items_in, pick_hot_clusters
 from kvshard_bench.demo_watch import PlacementWatch
@@ -60,10 +65,20 @@ class DemoSettings:
     burst_timeout_s: float = 150.0
     warm_timeout_s: float = 300.0
     seed: int = 0
+    fidelity_target: int = 90
+    """spec.fidelity.targetAgreementPercent (0: no fidelity guard)."""
+    fidelity_sample_rate: int = 10
+    fidelity_interval_s: int = 20
 
     @property
     def out_dir(self) -> Path:
         return (self.out or cache_dir() / "demo").expanduser().resolve()
+
+    def fidelity_spec(self) -> dict[str, Any] | None:
+        """``spec.fidelity`` the demo sets on its CacheShard (None: no target)."""
+        if not self.fidelity_target:
+            return None
+        return demo_fidelity.fidelity_spec(self.fidelity_target, self.fidelity_sample_rate, self.fidelity_interval_s)
 
     def plan(self) -> tuple[int, int, int]:
         """Requests of the steady phase, the burst's minimum, and the after phase (of ``requests``)."""
@@ -77,9 +92,16 @@ def settings_from(args: argparse.Namespace) -> DemoSettings:
     for name in ("pods", "requests", "users", "concurrency"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvshard demo: --{name} must be at least 1")
-    return DemoSettings(pods=args.pods, model=args.model, requests=args.requests, users=args.users, out=args.out,
-                        keep_running=args.keep_running, concurrency=args.concurrency, pairs=max(0, args.pairs),
-                        burst_timeout_s=args.burst_timeout, seed=args.seed)
+    settings = DemoSettings(pods=args.pods, model=args.model, requests=args.requests, users=args.users, out=args.out,
+                            keep_running=args.keep_running, concurrency=args.concurrency, pairs=max(0, args.pairs),
+                            burst_timeout_s=args.burst_timeout, seed=args.seed,
+                            fidelity_target=args.fidelity_target, fidelity_sample_rate=args.fidelity_sample_rate,
+                            fidelity_interval_s=args.fidelity_interval)
+    try:
+        settings.fidelity_spec()
+    except ValueError as exc:
+        raise SystemExit(f"kvshard demo: {exc}") from exc
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,15 +132,18 @@ def _replay_and_report(cluster: Any, dataset: Dataset, settings: DemoSettings, s
     out = settings.out_dir
     result = asyncio.run(Replay(cluster, dataset, settings).run())
     wall = time.monotonic() - started
+    spec = settings.fidelity_spec()
+    fidelity = demo_fidelity.summarize(result.fidelity, spec) if spec else None
     summary = report.summarize(result.records, result.pairs, result.samples, result.changes, result.pods, wall,
-                               notes=result.notes)
+                               notes=result.notes, fidelity=fidelity)
     text = report.render(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.txt").write_text(text + "\n")
     for filename, rows in (("requests.jsonl", result.records), ("placements.jsonl", result.samples)):
         with (out / filename).open("w") as f:
             f.writelines(json.dumps(dataclasses.asdict(row)) + "\n" for row in rows)
-    png = report.plot(result.records, result.samples, result.pods, out / "placement.png")
+    png = report.plot(result.records, result.samples, result.pods, out / "placement.png", fidelity=result.fidelity,
+                      target_percent=spec["targetAgreementPercent"] if spec else None)
     print("\n" + text + "\n")
     print(f"files: {out / 'summary.txt'}, {out / 'summary.json'}, {out / 'requests.jsonl'}, "
           f"{out / 'placements.jsonl'}, {png}; cluster logs in {cluster.logs_dir}", flush=True)
@@ -141,6 +166,7 @@ class ReplayResult:
     changes: dict[int, list[str]]
     pods: list[str]
     notes: dict[str, Any]
+    fidelity: list[demo_fidelity.FidelitySample] = dataclasses.field(default_factory=list)
 
 
 class Replay:
@@ -166,12 +192,15 @@ class Replay:
             if watch.current is None:
                 raise RuntimeError(f"no placement of {self.ns}/{self.name} in etcd although the CacheShard is Ready")
             item_clusters = watch.current.item_clusters  # the clustering stays; generations re-assign
+            await self._set_fidelity()
             trace = self._trace()
             poller = asyncio.create_task(watch.run())
             try:
                 self.t0 = time.monotonic()
                 watch.samples.clear()
+                watch.fidelity.clear()
                 await watch.poll()
+                await watch.poll_conditions()
                 await self._phase(trace, "steady", lambda n: n < steady_n, steady_n)
                 hot_pod, hot = pick_hot_clusters(watch.current.assignment, item_clusters, self.settings.hot_clusters)
                 pool = items_in(item_clusters, hot)
@@ -201,7 +230,22 @@ class Replay:
         self.notes["operator rebalances seen (Rebalancing=True transitions)"] = watch.rebalances
         self.notes["round-robin"] = ("counterfactual: request i would go to healthy pod i mod N; "
                                      "held = its candidates whose cluster that pod was assigned")
-        return ReplayResult(self.records, pairs, list(watch.samples), watch.changes(), pods, self.notes)
+        return ReplayResult(self.records, pairs, list(watch.samples), watch.changes(), pods, self.notes,
+                            list(watch.fidelity))
+
+    async def _set_fidelity(self) -> None:
+        """Set the demo's ``spec.fidelity`` on the CacheShard (a merge patch through the local Kubernetes
+        API, as ``kubectl patch`` would); the operator publishes the sample rate with the blend in force."""
+        from kvshard.local.kubeapi import CACHESHARDS
+
+        spec = self.settings.fidelity_spec()
+        if spec is None:
+            return
+        path = CACHESHARDS.format(ns=self.ns) + f"/{self.name}"
+        await asyncio.to_thread(self.cluster.api.patch, path, {"spec": {"fidelity": spec}})
+        print(f"fidelity guard: target {spec['targetAgreementPercent']} % agreement, "
+              f"{spec['sampleRatePercent']} % of requests shadow-checked, a decision every "
+              f"{spec['intervalSeconds']} s", flush=True)
 
     def _interval(self) -> float:
         """The CacheShard's rebalance interval in seconds (the local cluster's setting)."""

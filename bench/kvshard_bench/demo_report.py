@@ -18,7 +18,8 @@ without a cluster:
   rated next — of the replay, of blended and full prefill on the re-sent requests, and of a random
   ranking (its expectation), so "same as full prefill" and "useful at all" sit side by side;
 * per-pod request share per phase with the max/mean imbalance, the generations seen and what each
-  new generation changed.
+  new generation changed;
+* with a fidelity target, the guard's decisions over time (:mod:`demo_fidelity`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshard.ranking import QUALITY_METRICS, hit_at, ndcg_at, random_quality
+from kvshard_bench import demo_fidelity
 
 TIERS = ("memory", "disk", "peer")
 KIND_ORDER = ("system", "history", "free", "item", "instruction")
@@ -209,8 +211,9 @@ def _kind_rank(kind: str) -> tuple[int, str]:
 
 def summarize(records: Sequence[Record], pairs: Sequence[PrefillPair], samples: Sequence[PlacementSample],
               changes: Mapping[int, Sequence[str]], pods: Sequence[str], wall_s: float,
-              notes: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Everything the demo prints, as one JSON-able document (``summary.json``)."""
+              notes: Mapping[str, Any] | None = None, fidelity: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Everything the demo prints, as one JSON-able document (``summary.json``); ``fidelity`` is
+    :func:`demo_fidelity.summarize`'s section when the demo ran with a target."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     blended = [p.blended_ttft_ms for p in pairs]
@@ -243,6 +246,7 @@ def summarize(records: Sequence[Record], pairs: Sequence[PrefillPair], samples: 
         "phases": phases,
         "generations": {str(g): t for g, t in sorted(generations.items())},
         "changes": {str(g): list(lines) for g, lines in sorted(changes.items())},
+        **({"fidelity": dict(fidelity)} if fidelity else {}),
         **({"notes": dict(notes)} if notes else {}),
     }
 
@@ -306,6 +310,8 @@ def render(summary: Mapping[str, Any]) -> str:
              f"{v['imbalance']:.2f}", _fmt(v["held"], ".0%"), _fmt(v["rr_held"], ".0%")]
             for name, v in phases.items() if v["requests"]]
     out += _table(["phase", "requests", *pods, "max/mean", "held", "held (rr)"], rows) + [""]
+    if "fidelity" in summary:
+        out += demo_fidelity.render(summary["fidelity"])
     gens = summary["generations"]
     out += ["Placement generations: " + (", ".join(f"{g} at {float(s):.0f} s" for g, s in gens.items()) or "none")]
     for g, lines in summary["changes"].items():
@@ -319,9 +325,11 @@ def render(summary: Mapping[str, Any]) -> str:
 
 
 def plot(records: Sequence[Record], samples: Sequence[PlacementSample], pods: Sequence[str], path: Path,
-         bins: int = 30) -> Path:
+         bins: int = 30, fidelity: Sequence[demo_fidelity.FidelitySample] = (),
+         target_percent: int | None = None) -> Path:
     """Two panels over time: requests per pod (load) and clusters assigned per pod (placement), with a
-    vertical line at each new generation. Written with matplotlib's Agg backend (no display)."""
+    vertical line at each new generation; with a fidelity target a third: the ratio in force and the
+    measured agreement against the target. Written with matplotlib's Agg backend (no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -330,7 +338,10 @@ def plot(records: Sequence[Record], samples: Sequence[PlacementSample], pods: Se
     end = max([r.sent_s + r.latency_s for r in records] + [1.0])
     samples = [s for s in samples if s.t <= end]  # polls after the replay (the prefill pairs) are not load
     width = end / bins
-    fig, (load_ax, place_ax) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
+    guard = target_percent is not None
+    fig, axes = plt.subplots(3 if guard else 2, 1, figsize=(12, 10 if guard else 7), sharex=True,
+                             height_ratios=[1, 1, 0.9] if guard else None)
+    load_ax, place_ax = axes[0], axes[1]
     centres = [(b + 0.5) * width for b in range(bins)]
     for j, pod in enumerate(pods):
         counts = [0] * bins
@@ -349,7 +360,7 @@ def plot(records: Sequence[Record], samples: Sequence[PlacementSample], pods: Se
     last = None
     for s in samples:
         if last is not None and s.generation != last:
-            for ax in (load_ax, place_ax):
+            for ax in axes:
                 ax.axvline(s.t, color="grey", linestyle="--", linewidth=1)
             place_ax.annotate(f"gen {s.generation}", (s.t, 0), textcoords="offset points", xytext=(3, 3), fontsize=8)
         last = s.generation
@@ -358,7 +369,9 @@ def plot(records: Sequence[Record], samples: Sequence[PlacementSample], pods: Se
     load_ax.set_title("Load: requests served per pod")
     load_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     place_ax.set_ylabel("clusters assigned")
-    place_ax.set_xlabel("seconds since the replay started")
+    axes[-1].set_xlabel("seconds since the replay started")
+    if target_percent is not None:
+        demo_fidelity.plot_panel(axes[2], fidelity, target_percent, end)
     place_ax.set_title("Placement: item clusters per pod (dashed: new generation)")
     place_ax.set_ylim(bottom=0)
     place_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)

@@ -4,7 +4,9 @@ The replay needs to know, at every request, which generation is current (to scor
 round-robin counterfactual against the same placement) and when the operator has answered the
 hot-shard burst (to end the burst phase). It reads what the router and the sidecars follow — the
 generations and the warm reports in etcd — once a second, and the CacheShard's conditions every few
-seconds, and keeps a :class:`~kvshard_bench.demo_report.PlacementSample` per poll for the picture.
+seconds, and keeps a :class:`~kvshard_bench.demo_report.PlacementSample` per poll for the picture. The
+same CacheShard read gives the fidelity guard's state (``status.blend``, ``status.fidelity``,
+``FidelityMet``), kept as a :class:`~kvshard_bench.demo_fidelity.FidelitySample` per poll.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from kvshard.etcd_store import EtcdStore, EtcdStoreError
 from kvshard.placement_schema import Placement, WarmReport
+from kvshard_bench import demo_fidelity
 from kvshard_bench import demo_report as report
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class PlacementWatch:
         self.conditions: dict[str, str] = {}
         self.rebalances = 0
         """Rebalancing=True transitions of the CacheShard seen."""
+        self.fidelity: list[demo_fidelity.FidelitySample] = []
 
     @property
     def current(self) -> Placement | None:
@@ -74,6 +78,13 @@ class PlacementWatch:
 
     async def poll_conditions(self) -> None:
         shard = await asyncio.to_thread(self._cacheshard)
+        sample = demo_fidelity.sample_of(shard, self._clock())
+        if sample is not None:
+            if not self.fidelity or sample.state() != self.fidelity[-1].state():
+                print(f"fidelity guard at t={sample.t:.0f}s: ratio {sample.ratio_percent}%, "
+                      f"{sample.samples} checks, agreement {sample.agreement_percent}%, "
+                      f"FidelityMet={sample.met} ({sample.reason})", flush=True)
+            self.fidelity.append(sample)
         for condition in shard.get("status", {}).get("conditions", []) or []:
             kind, state = condition.get("type", ""), condition.get("status", "")
             text = f"{state} ({condition.get('reason', '')}: {condition.get('message', '')})"

@@ -2,7 +2,8 @@
 
 The full run (local cluster, router, sidecars) is ``make demo``; here the trace is built on the real
 MovieLens data in a cheap vector space (genre + decade instead of MiniLM: the trace takes vectors,
-it does not care which), and the report is fed hand-made records whose right answers are known.
+it does not care which), and the report is fed hand-made records whose right answers are known; the
+fidelity guard's table is fed CacheShard objects shaped as the operator writes them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvshard.testing_servers import EtcdServer
+from kvshard_bench import demo_fidelity as fid
 from kvshard_bench import demo_report as rep
 from kvshard_bench.demo_trace import DemoTrace, DemoTraceSettings, ItemSpace, items_in, pick_hot_clusters
 from kvshard_bench.routing_sim import item_vectors
@@ -254,6 +256,88 @@ def test_plot_writes_a_png_with_two_panels(tmp_path: Path) -> None:
     assert path.stat().st_size > 10_000
 
 
+# -------------------------------------------------------------------------------- fidelity guard
+
+
+def _shard(ratio: int | None, samples: int | None = None, agreement: int | None = None, *, met: str = "Unknown",
+           reason: str = "InsufficientSamples", at: str | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True"},
+                                             {"type": "FidelityMet", "status": met, "reason": reason}]}
+    if ratio is not None:
+        status["blend"] = {"method": "tail", "ratioPercent": ratio, "reason": "FidelityController"}
+    if samples is not None:
+        status["fidelity"] = {"samples": samples, "agreementPercent": agreement, "lowerBoundPercent": 50,
+                              "windowSeconds": 60, "lastDecisionTime": at}
+    return {"spec": {}, "status": status}
+
+
+def _guard_run() -> list[fid.FidelitySample]:
+    """Polls of one run: start at 30 %, too few checks, then below target → 40 %, then met at 40 %."""
+    polls = [_shard(30), _shard(30), _shard(30, 2, 100, at="T1"), _shard(30, 2, 100, at="T1"),
+             _shard(40, 9, 77, met="False", reason="BelowTarget", at="T2"),
+             _shard(40, 14, 100, met="True", reason="MeetsTarget", at="T3"),
+             _shard(40, 14, 100, met="True", reason="MeetsTarget", at="T3")]
+    out = [fid.sample_of(shard, 3.0 * i) for i, shard in enumerate(polls)]
+    assert all(sample is not None for sample in out)
+    return [sample for sample in out if sample is not None]
+
+
+def test_the_demo_fidelity_spec_is_sized_to_the_demo_and_bounded_like_the_crd() -> None:
+    assert fid.fidelity_spec(90, 10, 20) == {"targetAgreementPercent": 90, "sampleRatePercent": 10,
+                                             "intervalSeconds": 20, "windowSeconds": 60, "minSamples": 5}
+    for bad in ((0, 10, 20), (101, 10, 20), (90, 0, 20), (90, 10, 9)):
+        with pytest.raises(ValueError):
+            fid.fidelity_spec(*bad)
+
+
+def test_a_fidelity_sample_is_read_from_the_cacheshards_status() -> None:
+    assert fid.sample_of({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}, 1.0) is None
+    assert fid.sample_of({}, 1.0) is None
+    sample = fid.sample_of(_shard(40, 9, 77, met="False", reason="BelowTarget", at="T2"), 12.0)
+    assert sample == fid.FidelitySample(12.0, 40, 9, 77, 50, "False", "BelowTarget", "T2")
+    assert fid.sample_of(_shard(30), 0.0) == fid.FidelitySample(0.0, 30, met="Unknown", reason="InsufficientSamples")
+
+
+def test_the_fidelity_table_keeps_one_row_per_change_and_counts_the_ladder_steps() -> None:
+    samples = _guard_run()
+    assert [s.t for s in fid.changes(samples)] == [0.0, 6.0, 12.0, 15.0]
+    spec = fid.fidelity_spec(90, 10, 20)
+    section = fid.summarize(samples, spec)
+    assert (section["ratio_start_percent"], section["ratio_end_percent"], section["steps"]) == (30, 40, 1)
+    assert section["decisions"] == 3 and section["fidelity_met"] == "True (MeetsTarget)"
+    assert [r["agreement_percent"] for r in section["rows"]] == [None, 100, 77, 100]
+    lines = fid.render(section)
+    assert lines[0].startswith("Fidelity guard: target 90 % agreement") and "10 % of requests" in lines[0]
+    table = lines[1:7]
+    assert table[0].split() == ["time", "ratio", "samples", "agreement", "lower", "bound", "FidelityMet"]
+    assert table[4].split()[:5] == ["12", "s", "40%", "9", "77%"] and table[4].endswith("False (BelowTarget)")
+    assert table[2].split()[:4] == ["0", "s", "30%", "—"]
+    assert "ratio in force 30% → 40% (1 ladder steps, 3 decisions seen)" in lines
+    assert fid.render(fid.summarize([], spec))[1].strip().startswith("the CacheShard reported no blend")
+    steady = [fid.FidelitySample(float(t), 20, 30, 95, 88, "True", "MeetsTarget", f"T{t}") for t in range(3)]
+    assert fid.summarize(steady, spec)["steps"] == 0
+
+
+def test_the_summary_carries_the_fidelity_section_and_prints_its_table() -> None:
+    records, pairs, samples = _summary_inputs()
+    section = fid.summarize(_guard_run(), fid.fidelity_spec(90, 10, 20))
+    s = rep.summarize(records, pairs, samples, {}, ["a", "b"], 42.0, fidelity=section)
+    assert s["fidelity"]["steps"] == 1
+    text = rep.render(s)
+    assert "Fidelity guard: target 90 %" in text and "False (BelowTarget)" in text
+    assert "fidelity" not in rep.summarize(records, pairs, samples, {}, ["a", "b"], 42.0)
+
+
+def test_plot_adds_a_fidelity_panel_with_a_target(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    records, _, samples = _summary_inputs()
+    path = rep.plot(records, samples, ["a", "b"], tmp_path / "placement.png", fidelity=_guard_run(),
+                    target_percent=90)
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert (width, height) == (1320, 1100)
+
+
 # ----------------------------------------------------------------------------- watch (real etcd)
 
 
@@ -292,7 +376,10 @@ async def test_the_watch_follows_generations_and_says_when_the_hot_clusters_are_
         assert watch.samples[-1].warm == {"b": 2}
 
         await watch.poll_conditions()
+        assert watch.fidelity == [], "no blend in force reported: nothing to show"
         shard["status"]["conditions"][0].update(status="True", reason="Rebalanced")
+        shard["status"]["blend"] = {"method": "tail", "ratioPercent": 30}
         await watch.poll_conditions()
         await watch.poll_conditions()
         assert watch.rebalances == 1 and watch.conditions["Rebalancing"].startswith("True (Rebalanced")
+        assert [(s.t, s.ratio_percent) for s in watch.fidelity] == [(clock[0], 30), (clock[0], 30)]
