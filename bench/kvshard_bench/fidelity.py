@@ -215,7 +215,8 @@ def run(args: argparse.Namespace) -> list[Row]:
             found = measure(args, engine, requests, methods)
             rows += [{**size, **row} for row in found]
     if not args.attribution:
-        print(format_sweep(rows) if args.sweep else format_table(rows))
+        several_sizes = len(args.history) * len(args.candidates) > 1  # one table: rows must say their size
+        print(format_sweep(rows) if args.sweep or several_sizes else format_table(rows))
     if args.memory and not args.attribution:
         report_memory(args, [m for m in method_settings(args, neutral, (1.0, 1.0), averaged)
                              if "+ape" not in m[0]], rows)
