@@ -19,8 +19,13 @@ kept), so a centroid remembers removed items until the next full clustering — 
 new items go. After an operator restart the sums are rebuilt from a sample of each cluster's
 members (:data:`CENTROID_SAMPLE`), not the whole catalog.
 
-:func:`imbalance` (largest cluster over the mean) is the drift measure reported in the status; a
-full re-clustering happens only when ``spec.clusters`` changes.
+:func:`imbalance` (largest cluster over the mean) is the drift measure reported in the status.
+A full re-clustering happens when ``spec.clusters`` changes, and when a change leaves the clusters
+drifted past ``Settings.recluster_imbalance_percent`` (:func:`drifted`): then the whole new catalog
+is clustered afresh by the same balanced k-means as the first placement, and the fresh cluster ids
+are matched to the old ones (:func:`match_clusters`, greedy on the overlap of unchanged items) so
+that most items keep their cluster id, hence their pods; only the items the rebalancing itself
+forces out of an overfull cluster move (:func:`recluster`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,12 @@ class Centroids:
         self.sums[cluster] += vector
         self.counts[cluster] += 1
 
+    def relabel(self, mapping: npt.NDArray[np.int64]) -> Centroids:
+        """These centroids under new ids: cluster ``c`` becomes ``mapping[c]``."""
+        sums, counts = np.zeros_like(self.sums), np.zeros_like(self.counts)
+        sums[mapping], counts[mapping] = self.sums, self.counts
+        return Centroids(sums, counts)
+
 
 @dataclasses.dataclass(frozen=True)
 class Update:
@@ -80,7 +91,11 @@ class Update:
     reassigned: tuple[str, ...]
     """Edited items whose cluster changed."""
     moved_unchanged: int
-    """Unchanged items whose cluster changed (0 by construction; measured, not assumed)."""
+    """Unchanged items whose cluster changed (0 by construction unless re-clustered; measured, not assumed)."""
+    reclustered: bool = False
+    """The diff drifted past the threshold, so the whole catalog was clustered afresh (:func:`recluster`)."""
+    drift: float = 1.0
+    """:func:`imbalance` of the diff's labels, before any re-clustering."""
 
 
 def sample_centroids(catalog: Catalog, labels: Mapping[str, int], k: int, embed: Embed,
@@ -159,3 +174,60 @@ def imbalance(labels: Mapping[str, int]) -> float:
     counts = np.bincount(np.fromiter(labels.values(), dtype=np.int64))
     counts = counts[counts > 0]
     return float(counts.max() / counts.mean())
+
+
+def drifted(labels: Mapping[str, int], threshold_percent: int) -> bool:
+    """Whether ``labels`` have drifted past ``threshold_percent`` (largest cluster over the mean, as
+    ``status.catalog.imbalancePercent``); a threshold of 0 never re-clusters."""
+    return threshold_percent > 0 and imbalance(labels) * 100 > threshold_percent
+
+
+def match_clusters(kept: Mapping[str, int], fresh: Mapping[str, int], k: int) -> npt.NDArray[np.int64]:
+    """``mapping[f]`` = the old id fresh cluster ``f`` takes, so that as many ``kept`` items (item → old
+    cluster: the ones whose blocks are warm somewhere) as possible keep their id. Greedy on the k × k
+    overlap matrix, largest overlap first (one pass over k² pairs; within a few items of the optimal
+    assignment when clusters are large, and scipy is not an operator dependency); fresh clusters
+    left over take the unused old ids in order."""
+    size = max(k, max(fresh.values(), default=-1) + 1, max(kept.values(), default=-1) + 1)
+    overlap = np.zeros((size, size), dtype=np.int64)
+    for item_id, cluster in fresh.items():
+        old = kept.get(item_id)
+        if old is not None and old >= 0:
+            overlap[cluster, old] += 1
+    mapping = np.full(size, -1, dtype=np.int64)
+    taken = np.zeros(size, dtype=bool)
+    for flat in np.argsort(-overlap, axis=None, kind="stable"):
+        f, o = divmod(int(flat), size)
+        if overlap[f, o] == 0:
+            break
+        if mapping[f] < 0 and not taken[o]:
+            mapping[f], taken[o] = o, True
+    free = iter(np.flatnonzero(~taken).tolist())
+    for f in np.flatnonzero(mapping < 0).tolist():
+        mapping[f] = next(free)
+    return mapping
+
+
+def recluster(update: Update, previous: Mapping[str, int], fresh: Mapping[str, int],
+              k: int) -> tuple[Update, npt.NDArray[np.int64]]:
+    """``update`` with its labels replaced by a fresh clustering of the whole new catalog, whose ids
+    are matched (:func:`match_clusters`) to ``previous`` over the unchanged items; also the id mapping
+    (to relabel the fresh centroids). ``moved_unchanged`` counts the unchanged items that moved."""
+    changed = set(update.diff.added) | set(update.diff.edited)
+    kept = {item_id: previous[item_id] for item_id in update.labels if item_id in previous and item_id not in changed}
+    mapping = match_clusters(kept, fresh, k)
+    labels = {item_id: int(mapping[fresh[item_id]]) for item_id in update.labels}
+    moved = sum(1 for item_id, old in kept.items() if labels[item_id] != old)
+    reassigned = tuple(i for i in update.diff.edited if i in previous and labels.get(i) != previous[i])
+    return dataclasses.replace(update, labels=labels, reassigned=reassigned, moved_unchanged=moved,
+                               reclustered=True), mapping
+
+
+def forced_moves(labels: Mapping[str, int], k: int, slack_percent: int) -> int:
+    """Items that must leave their cluster for every cluster to fit the balance cap
+    (``ceil(n/k · (1 + slack))``): the least any re-clustering of ``labels`` can move."""
+    if not labels:
+        return 0
+    sizes = np.bincount(np.fromiter(labels.values(), dtype=np.int64), minlength=k)
+    cap = int(np.ceil(len(labels) / max(k, 1) * (1 + slack_percent / 100)))
+    return int(np.maximum(sizes - cap, 0).sum())

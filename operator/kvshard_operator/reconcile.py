@@ -78,7 +78,9 @@ class ShardState:
     """What the catalog timer last saw (a version, or an error): it re-places only on a change."""
     catalog_checked_at: float | None = None
     last_change: str = ""
-    """``+N ~M −K`` of the last catalog change applied."""
+    """``+N ~M −K`` of the last catalog change applied, `` reclustered`` appended when it re-clustered."""
+    last_change_moved: int = 0
+    """Unchanged items the last catalog change moved to another cluster (0 unless it re-clustered)."""
     embedding: dict[str, Any] | None = None
     """``status.embedding`` of the last embedding Job (:mod:`embed_job`), None when none ran."""
 
@@ -146,8 +148,10 @@ async def _labels(loaded: given.Loaded, k: int, previous: ps.Placement | None, s
                   logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
                   ) -> tuple[dict[str, int], updates.Update | None]:
     """item → cluster: the previous generation's when the catalog did not change, the previous ones
-    plus a diff when it did (no re-clustering), a full clustering when there is no catalog-aware
-    previous generation or ``spec.clusters`` changed. Given vectors are read, never embedded."""
+    plus a diff when it did (no re-clustering) unless the diff drifted past
+    ``settings.recluster_imbalance_percent`` (then a full clustering matched to the old ids), a full
+    clustering when there is no catalog-aware previous generation or ``spec.clusters`` changed.
+    Given vectors are read, never embedded."""
     cat = loaded.catalog
     source = None if loaded.vectors is None else ArrayVectors(loaded.vectors)
     if previous is not None and previous.catalog and len(previous.assignment) == k:
@@ -168,6 +172,24 @@ async def _labels(loaded: given.Loaded, k: int, previous: ps.Placement | None, s
             update = await asyncio.to_thread(updates.apply_change, old, cat, previous.item_clusters, centroids,
                                              embedding.embed_texts, slack_percent=settings.slack_percent,
                                              source=source)
+            drift = updates.imbalance(update.labels)
+            update = dataclasses.replace(update, drift=drift)
+            if updates.drifted(update.labels, settings.recluster_imbalance_percent):
+                # the same clustering as the first placement, computed afresh (not from the cache, so
+                # its centroids are in its own ids), then matched to the old ids
+                state.labels_key = None
+                fresh = await asyncio.to_thread(_cluster, loaded, k, settings, state)
+                update, mapping = updates.recluster(update, previous.item_clusters, fresh, k)
+                fresh_centroids = state.centroids  # set by _cluster, in the fresh ids
+                if fresh_centroids is None:
+                    raise RuntimeError("clustering left no centroids")
+                centroids = fresh_centroids.relabel(mapping)
+                state.labels = dict(update.labels)
+                logger.info("catalog drifted to %d %% imbalance (> %d %%): re-clustered, %d unchanged items moved "
+                            "(%d forced by the balance cap)", round(drift * 100), settings.recluster_imbalance_percent,
+                            update.moved_unchanged,
+                            updates.forced_moves({i: previous.item_clusters[i] for i in update.labels
+                                                  if i in previous.item_clusters}, k, settings.slack_percent))
             state.centroids, state.centroids_key = centroids, (cat.version, k)
             return update.labels, update
     return await asyncio.to_thread(_cluster, loaded, k, settings, state), None
@@ -371,7 +393,8 @@ async def reconcile(
                 published = await store.publish(namespace, name, new, expected=current)
                 await store.prune_catalogs(namespace, name, {cat.version, previous.catalog if previous else ""})
                 if change is not None:
-                    state.last_change = change.diff.summary()
+                    state.last_change = change.diff.summary() + (" reclustered" if change.reclustered else "")
+                    state.last_change_moved = change.moved_unchanged
                     logger.info("catalog change %s (%d edited items re-assigned, %d unchanged moved)",
                                 state.last_change, len(change.reassigned), change.moved_unchanged)
                 metrics.REBALANCES.labels(trigger).inc()
@@ -422,6 +445,7 @@ async def reconcile(
         {"observedGeneration": generation, "conditions": conditions, "placementGeneration": published,
          "pods": len(live), "clusters": len(clusters), "itemsPlaced": len(labels),
          "catalog": {"version": cat.version, "items": len(cat), "lastChange": state.last_change,
+                     "lastChangeMoved": state.last_change_moved,
                      "imbalancePercent": round(updates.imbalance(labels) * 100)},
          **({"embedding": state.embedding} if state.embedding is not None else {})},
         published=published,

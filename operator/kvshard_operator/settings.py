@@ -34,6 +34,13 @@ class Settings:
     """Seed of the clustering, so every operator replica computes the same placement."""
     slack_percent: int = 10
     """How much bigger than n/k a cluster may grow (balanced k-means)."""
+    recluster_imbalance_percent: int = 150
+    """Re-cluster the whole catalog (ids matched to the old ones, so few items move) when a catalog
+    change leaves the largest cluster above this % of the mean (``status.catalog.imbalancePercent``);
+    0: never. Placement caps clusters at ``100 + slack_percent`` % (110 %), and online changes keep
+    that cap for additions, so drift beyond it comes from removals and edits draining some clusters
+    and from additions once every cluster is full. 150 % leaves that churn alone (a re-clustering
+    moves warm items) but acts before one cluster's pods hold half again the mean's blocks."""
     cooccurrence_percent: int = 0
     """Pull items that share user histories this % towards each other before clustering (0: off)."""
     large_placement_items: int = 100_000
@@ -138,3 +145,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
                         help="port of /metrics (default 9090, 0 disables)")
     parser.add_argument("--seed", type=int, default=None, help="clustering seed (default 0)")
+    parser.add_argument("--recluster-imbalance-percent", dest="recluster_imbalance_percent", type=int,
+                        default=None, help="re-cluster the catalog when a change leaves the largest cluster "
+                        "above this %% of the mean (default 150, 0 never)")
