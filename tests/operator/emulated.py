@@ -160,4 +160,9 @@ def condition(obj: Any, type_: str) -> dict[str, Any]:
     return {}
 
 
-
+def read_current(etcd: EtcdServer, name: str, ns: str = "default") -> Any:
+    """The CacheShard's current placement generation in the test etcd (None before the first)."""
+    async def read() -> Any:
+        async with etcd.store(timeout=2, attempts=1) as store:
+            return await store.read_current(ns, name)
+    return asyncio.run(read())

@@ -4,7 +4,6 @@ and bad vectors end in the CacheShard's conditions naming their lines."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from collections import Counter
@@ -35,7 +34,7 @@ def test_given_vectors_are_placed_by_the_sampled_placement_and_changes_reuse_its
     threshold at 60 items: a 120-item ConfigMap catalog whose lines carry vectors is placed one group
     per cluster; added items join their group's cluster and nothing unchanged moves; a line without a
     vector sets Degraded=CatalogInvalid naming it while the last good catalog stays in force."""
-    from emulated import condition, edit_configmap, etcd_spec
+    from emulated import condition, edit_configmap, etcd_spec, read_current
     from kopf.testing import KopfRunner
     from polling import wait_until
 
@@ -54,10 +53,7 @@ def test_given_vectors_are_placed_by_the_sampled_placement_and_changes_reuse_its
     labels = {"app.kubernetes.io/name": "kvshard-engine"}
     with EtcdServer() as etcd:
         def current() -> Any:
-            async def read() -> Any:
-                async with etcd.store(timeout=2, attempts=1) as store:
-                    return await store.read_current("default", "shop")
-            return asyncio.run(read())
+            return read_current(etcd, "shop")
 
         cluster.trust_etcd(etcd)
         for i in range(2):

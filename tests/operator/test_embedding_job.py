@@ -4,7 +4,6 @@ rerun embeds nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
@@ -58,7 +57,7 @@ def test_the_embedding_job_is_tracked_its_failed_pod_reported_and_placement_foll
     sets Degraded=EmbeddingFailed and a second attempt is created; once the worker has
     written every chunk (the real ``embed_worker`` process for one index) and the Job completes, the
     catalog is placed and the status says Complete."""
-    from emulated import condition, etcd_spec
+    from emulated import condition, etcd_spec, read_current
     from kopf.testing import KopfRunner
     from polling import wait_until
 
@@ -73,10 +72,7 @@ def test_the_embedding_job_is_tracked_its_failed_pod_reported_and_placement_foll
     texts = [json.loads(line)["text"] for line in catalog_file.read_text().splitlines()]
     with EtcdServer() as etcd:
         def current() -> Any:
-            async def read() -> Any:
-                async with etcd.store(timeout=2, attempts=1) as store:
-                    return await store.read_current("default", "hobbies")
-            return asyncio.run(read())
+            return read_current(etcd, "hobbies")
 
         cluster.trust_etcd(etcd)
         for i in range(2):
