@@ -10,7 +10,9 @@ the model's choice depends on the items:
   other position, contributes;
 * candidate order is shuffled per example, so position carries no signal;
 * the data follow :mod:`kvshard.splits`: held-out users are never seen, a training user's last
-  interaction is never used, the second-to-last is the validation target.
+  interaction is never used, the second-to-last is the validation target;
+* optionally (the default) the one-hot target is mixed with an item-kNN teacher's distribution over
+  every candidate (:mod:`kvshard_sidecar.finetune_teacher`), a graded target for all K labels.
 
 Throughput on a CPU decides what fits in an hour, so only the answer position's logits are computed
 (the decoder's last hidden state through ``lm_head``, not the 49,152-wide head on every position),
@@ -30,7 +32,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,7 @@ from kvshard_sidecar.finetune_report import (
     write_json_atomic,
 )
 from kvshard_sidecar.finetune_settings import FinetuneSettings, from_args
+from kvshard_sidecar.finetune_teacher import ItemKnnTeacher, teacher_quality
 from kvshard_sidecar.model import default_model_path, load_model
 
 log = logging.getLogger(__name__)
@@ -71,13 +74,16 @@ class Example:
     input_ids: torch.Tensor
     label_ids: torch.Tensor
     target: int
+    soft: torch.Tensor | None = None
+    """The teacher's distribution over the K labels (:mod:`kvshard_sidecar.finetune_teacher`), if any."""
 
     @classmethod
-    def of(cls, built: RecommendationPrompt) -> Example:
+    def of(cls, built: RecommendationPrompt, soft: Sequence[float] | None = None) -> Example:
         if built.target_index is None:
             raise ValueError("a training example needs its target among the candidates")
         return cls(torch.tensor([built.prompt.token_ids], dtype=torch.long),
-                   torch.tensor(built.label_token_ids, dtype=torch.long), built.target_index)
+                   torch.tensor(built.label_token_ids, dtype=torch.long), built.target_index,
+                   None if soft is None else torch.tensor([soft], dtype=torch.float32))
 
 
 def answer_logits(causal_lm: Any, input_ids: torch.Tensor) -> torch.Tensor:
@@ -88,12 +94,18 @@ def answer_logits(causal_lm: Any, input_ids: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def label_loss(logits: torch.Tensor, label_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def label_loss(logits: torch.Tensor, label_ids: torch.Tensor, targets: torch.Tensor,
+               soft: torch.Tensor | None = None, soft_weight: float = 0.0) -> torch.Tensor:
     """Cross-entropy over the candidates' label tokens only: ``logits`` [B, V] at the answer position,
-    ``label_ids`` [B, K] (or [K] for all rows), ``targets`` [B] indices into the K labels."""
+    ``label_ids`` [B, K] (or [K] for all rows), ``targets`` [B] indices into the K labels. With a
+    teacher's ``soft`` [B, K] distribution, the target is ``(1 - soft_weight) · one-hot + soft_weight · soft``."""
     if label_ids.dim() == 1:
         label_ids = label_ids.expand(logits.shape[0], -1)
-    return F.cross_entropy(logits.gather(-1, label_ids), targets)
+    label_logits = logits.gather(-1, label_ids)
+    if soft is None or soft_weight == 0.0:
+        return F.cross_entropy(label_logits, targets)
+    hard = F.one_hot(targets, label_logits.shape[-1]).to(soft.dtype)
+    return F.cross_entropy(label_logits, (1 - soft_weight) * hard + soft_weight * soft)
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1, time_used: float = 0.0) -> float:
@@ -177,6 +189,7 @@ class TrainingData:
     split: dict[str, object]
     examples: list[Example]
     validation: list[Example]
+    teacher: dict[str, object]
 
 
 def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
@@ -193,9 +206,21 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
         raise SystemExit(f"no training positions: users need more than {settings.history + 2} interactions")
     validation = validation_requests(dataset, users, settings.history, settings.candidates, settings.val_users,
                                      settings.seed + 1)
+    teacher_record: dict[str, object] = {"kind": settings.teacher}
+    examples = [Example.of(builder.build(r)) for r in requests]
+    if settings.teacher == "item-knn":
+        # Every training user feeds the teacher, not only the sampled ones: more co-occurrence, no leak.
+        teacher = ItemKnnTeacher(dataset.histories, split.training_users(dataset))
+        examples = [replace(e, soft=torch.tensor([teacher.distribution(r.history, r.candidates,
+                                                                       settings.teacher_temperature, r.user_id)]))
+                    for e, r in zip(examples, requests, strict=True)]
+        teacher_record |= {"weight": settings.teacher_weight, "temperature": settings.teacher_temperature,
+                           "validation": teacher_quality(teacher, ((r.user_id, r.history, r.candidates,
+                                                                    r.candidates.index(str(r.target)))
+                                                                   for r in validation))}
+        log.info("item-kNN teacher on the validation prompts: %s", teacher_record["validation"])
     return TrainingData(dataset.name, {**split.describe(dataset), "training_users_used": len(users)},
-                        [Example.of(builder.build(r)) for r in requests],
-                        [Example.of(builder.build(r)) for r in validation])
+                        examples, [Example.of(builder.build(r)) for r in validation], teacher_record)
 
 
 def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
@@ -236,7 +261,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
         step_loss = 0.0
         for example in batch:
             loss = label_loss(answer_logits(causal_lm, example.input_ids), example.label_ids,
-                              torch.tensor([example.target]))
+                              torch.tensor([example.target]), example.soft, settings.teacher_weight)
             torch.autograd.backward(loss / len(batch))
             step_loss += float(loss.detach()) / len(batch)
         if settings.clip > 0:
@@ -257,7 +282,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     if last is None or last["step"] != done_steps:
         last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out)
     save_adapter(peft_model, out, base["name"])
-    write_provenance(out, settings, base, data.split, data.dataset, curve, done_steps, done_examples, elapsed, last)
+    write_provenance(out, settings, base, data, curve, done_steps, done_examples, elapsed, last)
     log.info("adapter, curve and provenance written to %s (%.1f min)", out, elapsed / 60)
     return FinetuneResult(out, done_steps, done_examples, elapsed, last)
 
@@ -276,8 +301,8 @@ def _validate(peft_model: Any, causal_lm: Any, validation: Sequence[Example], cu
     return result
 
 
-def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str], split: dict[str, object],
-                     dataset: str, curve: LossCurve, steps: int, examples: int, elapsed: float,
+def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str], data: TrainingData,
+                     curve: LossCurve, steps: int, examples: int, elapsed: float,
                      validation: dict[str, float]) -> None:
     """``provenance.json``: how the adapter was made, and the base it must be merged into."""
     settings_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}
@@ -289,8 +314,9 @@ def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str]
         "invoked_as": " ".join(sys.argv),
         "seed": settings.seed,
         "settings": settings_record,
-        "dataset": dataset,
-        "split": split,
+        "dataset": data.dataset,
+        "split": data.split,
+        "teacher": data.teacher,
         "steps": steps,
         "examples": examples,
         "training_seconds": round(elapsed, 1),

@@ -50,6 +50,11 @@ class FinetuneSettings:
     heldout_fraction: float = setting(DEFAULT_HELDOUT_FRACTION, "share of users held out for the benchmarks "
                                                                  "(never trained or validated on)")
     split_salt: str = setting(DEFAULT_SALT, "salt of the user split's hash")
+    teacher: str = setting("item-knn", "soft targets from a teacher over every candidate: 'item-knn' (co-occurrence "
+                                       "over training users' interactions) or 'none' (the target's label only)")
+    teacher_weight: float = setting(0.5, "share of the teacher's distribution in the training target "
+                                         "(the rest is the held-out item's one-hot)")
+    teacher_temperature: float = setting(1.0, "softmax temperature over the teacher's z-scored candidate scores")
     seed: int = setting(0, "seed of the data sampling, candidate shuffles and LoRA initialisation")
     threads: int = setting(2, "torch threads")
     clip: float = setting(1.0, "gradient-norm clipping (0 = off)")
@@ -64,6 +69,10 @@ class FinetuneSettings:
             raise settings_lib.SettingsError("--candidates must be at least 2")
         if not self.targets or set(self.targets) - set(ALL_PROJECTIONS):
             raise settings_lib.SettingsError(f"--targets must be among {', '.join(ALL_PROJECTIONS)}")
+        if self.teacher not in ("item-knn", "none"):
+            raise settings_lib.SettingsError("--teacher must be 'item-knn' or 'none'")
+        if not 0.0 <= self.teacher_weight <= 1.0 or self.teacher_temperature <= 0:
+            raise settings_lib.SettingsError("--teacher-weight must be in [0, 1] and --teacher-temperature positive")
         if self.minutes <= 0 or self.lr <= 0:
             raise settings_lib.SettingsError("--minutes and --lr must be positive")
 

@@ -44,10 +44,12 @@ def test_provenance_records_command_seed_split_and_base_hash(tiny_adapter: Path)
     assert record["split"]["heldout_users"] > 0 and "last interaction" in record["split"]["never_used"]
     assert record["command"].startswith("kvshard model finetune ") and "--candidates 4" in record["command"]
     assert "hr1" in record["evaluation"]["validation"]
+    assert record["teacher"]["kind"] == "item-knn" and 0.0 <= record["teacher"]["validation"]["hr1"] <= 1.0
 
 
 def test_the_recorded_command_parses_back_to_the_same_settings(tmp_path: Path) -> None:
-    settings = FinetuneSettings(out=tmp_path, history=7, targets=("q_proj", "o_proj"), lr=3e-4)
+    settings = FinetuneSettings(out=tmp_path, history=7, targets=("q_proj", "o_proj"), lr=3e-4, teacher="none",
+                                teacher_weight=0.25)
     words = settings.command().split()[1:]
     assert from_args(build_parser(words).parse_args(words)) == settings
 
@@ -58,7 +60,7 @@ def test_finetune_help_lists_the_budget_flags(capsys: pytest.CaptureFixture[str]
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--dataset", "--history", "--candidates", "--steps", "--minutes", "--lr", "--rank", "--seed",
-                 "--out", "--threads", "--users"):
+                 "--out", "--threads", "--users", "--teacher", "--teacher-weight", "--teacher-temperature"):
         assert flag in text
 
 
