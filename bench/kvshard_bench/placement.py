@@ -6,7 +6,10 @@ all-MiniLM-L6-v2 embeddings of a catalog with themes), so the numbers measure th
 embedding model. They are written once, as float16, to a ``.npy`` file that the ``sampled``
 method reads a chunk at a time (:mod:`kvshard_operator.placement_large`) — the operator's path for
 large catalogs; ``full`` (:func:`kvshard_operator.placement.cluster_items`) loads them as one
-float32 matrix. Writing the file is not timed.
+float32 matrix. Writing the file is not timed: ``seconds`` covers what the operator does with a
+vector file — reading it (float16 → unit float32; the file was just written, so from the page
+cache), training, assigning, balancing — plus the first cluster → pod assignment; the ±1-pod
+re-assignments are ``replace_seconds``.
 
 ``peak_rss_mb`` is the process's peak resident set so far (``getrusage``), so run ``sampled``
 first (``--compare-full`` does): the ``full`` row's peak includes the ``sampled`` one.

@@ -53,8 +53,11 @@ class VectorSource(Protocol):
 def unit(x: npt.NDArray[np.floating]) -> FloatArray:
     """float32 rows scaled to unit length (zero rows stay zero); converts, never keeps ``x``."""
     out = np.array(x, dtype=np.float32, copy=True)  # never a view: memmaps and callers' arrays stay as they are
-    norms = np.sqrt(np.einsum("ij,ij->i", out, out))
-    out /= np.maximum(norms, 1e-12)[:, None]
+    scale = np.einsum("ij,ij->i", out, out)
+    np.sqrt(scale, out=scale)
+    np.maximum(scale, 1e-12, out=scale)
+    np.divide(1.0, scale, out=scale)
+    out *= scale[:, None]
     return out
 
 
@@ -108,35 +111,48 @@ class NpyVectors:
     def dim(self) -> int:
         return self.shape[1]
 
-    def _raw(self, fd: int, start: int, stop: int) -> npt.NDArray[np.floating]:
-        count = max(0, min(stop, self.rows) - start)
-        data = os.pread(fd, count * self.row_bytes, self.offset + start * self.row_bytes)
-        return np.frombuffer(data, dtype=self.dtype).reshape(count, self.dim)
+    def _read_into(self, fd: int, buffer: memoryview, row: int) -> None:
+        """Fill ``buffer`` (whole rows) from the file, starting at ``row``."""
+        offset = self.offset + row * self.row_bytes
+        while len(buffer):
+            got = os.preadv(fd, [buffer], offset)
+            if got <= 0:
+                raise ValueError(f"{self.path}: short read at byte {offset}")
+            buffer, offset = buffer[got:], offset + got
 
     def read(self, start: int, stop: int) -> FloatArray:
+        start, stop = max(0, start), max(start, min(stop, self.rows))
+        raw = np.empty((max(0, stop - start), self.dim), dtype=self.dtype)
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            return unit(self._raw(fd, start, stop))
+            self._read_into(fd, raw.reshape(-1).view(np.uint8).data, start)
         finally:
             os.close(fd)
+        return unit(raw)
 
     def take(self, rows: IndexArray) -> FloatArray:
         rows = np.asarray(rows, dtype=np.int64)
-        out = np.empty((len(rows), self.dim), dtype=np.float32)
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.rows):
+            raise IndexError(f"{self.path}: rows outside 0..{self.rows - 1}")
+        if not len(rows):
+            return np.empty((0, self.dim), dtype=np.float32)
         order = np.argsort(rows, kind="stable")
+        wanted = rows[order]
+        # neighbouring rows are read together: a sorted sample of a big file is mostly single rows,
+        # a catalog's leftovers are often runs
+        cuts = np.flatnonzero(np.diff(wanted) != 1) + 1
+        firsts = [0, *cuts.tolist()]
+        raw = np.empty((len(rows), self.dim), dtype=self.dtype)
+        view = raw.reshape(-1).view(np.uint8).data
+        size = self.row_bytes
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            # neighbouring rows are read together: a sorted sample of a big file is mostly single rows,
-            # a catalog's leftovers are often runs
-            i = 0
-            while i < len(order):
-                j = i + 1
-                while j < len(order) and rows[order[j]] == rows[order[j - 1]] + 1 and j - i < 4096:
-                    j += 1
-                out[order[i:j]] = self._raw(fd, int(rows[order[i]]), int(rows[order[j - 1]]) + 1)
-                i = j
+            for a, b, row in zip(firsts, [*cuts.tolist(), len(rows)], wanted[firsts].tolist(), strict=True):
+                self._read_into(fd, view[a * size:b * size], row)
         finally:
             os.close(fd)
+        out = np.empty_like(raw)
+        out[order] = raw
         return unit(out)
 
 
