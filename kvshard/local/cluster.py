@@ -3,8 +3,9 @@
 The parts are the real ones, started as processes through the ``kvshard`` CLI exactly as the
 chart starts them in pods — etcd, a Kubernetes API (:mod:`kvshard.local.emulator`, which ``kubectl`` talks to),
 the operator, N sidecars with the embedded engine, Prometheus and the router — so what works here
-works for the same reasons in a cluster. Only the kubelet is ours (:mod:`kvshard.local.kubelet`):
-it turns sidecar processes into ready/not-ready pods and restarts crashed ones.
+works for the same reasons in a cluster. Only the kubelet is ours (:mod:`kvshard.local.kubelet`:
+sidecar processes as ready/not-ready pods, crashed ones restarted), and the Job controller
+(:mod:`kvshard.local.job_controller`: the operator's embedding Jobs, one process per chunk).
 
     with LocalCluster(LocalClusterSettings(pods=2)) as cluster:
         cluster.wait_ready(timeout=300)
@@ -48,7 +49,7 @@ from kvshard import etcd_store
 from kvshard import placement_schema as ps
 from kvshard.certificates import EtcdCertificates
 from kvshard.etcd_tls import EtcdTLS
-from kvshard.local import manifests
+from kvshard.local import job_controller, manifests
 from kvshard.local.kubeapi import CACHESHARDS, KubeApi, condition
 from kvshard.local.kubelet import Kubelet, PodProcess
 from kvshard.local.scaling import LocalAutoscaler, ScaleChange, local_rules, scale_pods
@@ -146,6 +147,8 @@ class LocalCluster:
         self._prometheus: PrometheusServer | None = None
         self._processes: dict[str, ManagedProcess] = {}
         self._kubelet: Kubelet | None = None
+        self.jobs: job_controller.JobController | None = None
+        """Runs the operator's embedding Jobs as processes (``settings.embedding_jobs``)."""
         self.autoscaler: LocalAutoscaler | None = None
         """The autoscaler loop when ``settings.autoscale`` (started once the cluster is ready)."""
         self._lock: IO[str] | None = None
@@ -184,6 +187,9 @@ class LocalCluster:
             "metadata": {"name": ETCD_TLS_SECRET, "namespace": self.namespace},
             "data": {k: base64.b64encode(v).decode() for k, v in self._etcd.tls_secret_data().items()}})
 
+        if self.settings.embedding_jobs:
+            self.jobs = job_controller.JobController(self.api, self.namespace, self.logs_dir)
+            self.jobs.start()
         log.info("starting the operator")
         operator = self._spawn("operator", _cli("operator", "run", "--metrics-port",
                                                 str(self._ports["operator_metrics"]),
@@ -236,6 +242,9 @@ class LocalCluster:
         """Stop everything this cluster started (process groups, no orphans); idempotent."""
         if self.autoscaler is not None:
             self.autoscaler.stop()  # first, or it would scale what we stop
+        if self.jobs is not None:
+            self.jobs.stop()
+            self.jobs = None
         processes = list(self._processes.items())
         self._processes = {}
         if self._kubelet is not None:
@@ -494,6 +503,7 @@ class LocalCluster:
             "KVSHARD_OPERATOR_CATALOG_CHECK_SECONDS": "1",
             "KVSHARD_OPERATOR_REBALANCE_CHECK_SECONDS": str(min(5, self.settings.rebalance_interval_seconds)),
             "KVSHARD_OPERATOR_RETRY_BACKOFF_MAX": "10",
+            **(job_controller.operator_env(self.run_dir / "embeddings") if self.settings.embedding_jobs else {}),
         }
 
     def _sidecar(self, pod: str, token_file: Path) -> ManagedProcess:

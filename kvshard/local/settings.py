@@ -48,6 +48,9 @@ class LocalClusterSettings:
     ttft_target_seconds: float = setting(10.0, "TTFT each sidecar is sized for (the latency half of its pressure "
                                          "gauge); CPU prefills are slow, so higher than the chart's")
     pressure_window_seconds: float = setting(15.0, "window of the sidecars' TTFT p90 in the pressure gauge")
+    embedding_jobs: bool = setting(True, "the operator embeds the catalog through Indexed Jobs on <run>/embeddings, "
+                                   "run here as one process per chunk (as in a cluster with a shared volume); "
+                                   "false: it embeds in its own process")
     autoscale: bool = setting(False, "run the autoscaler loop: the chart's KEDA query on this Prometheus, "
                               "the chart's replica rule and behaviour (kvshard.autoscaling)")
     autoscale_values: Path | None = setting(None, "YAML with a chart-style `autoscaling:` map (minReplicas, "

@@ -10,6 +10,10 @@ workers (an Indexed Job in a cluster, processes locally), and only what was neve
   **address** is the hash of its keys, so the same work always has the same name, and a worker that
   finds its output already there does nothing;
 * a **plan** lists the chunk addresses in Job-index order; its id (a hash of the list) names the Job.
+  The plan in force for a catalog (the hash of all its keys) is recorded and kept until each of its
+  chunks is written, so chunks written meanwhile change neither the plan nor the Job's name: one Job
+  per catalog, not one per poll (re-planning then would cut the remaining work into a new Job that
+  duplicates what the first one still runs).
 
 Where: a shared volume (a ReadWriteMany PVC) mounted by the operator and every Job pod at
 ``root``. etcd is too small (8 GB in all, 1.5 MB a value: a million 384-d float16 vectors is 768 MB);
@@ -18,7 +22,7 @@ of its own to be read back — while files on a shared volume outlive both the J
 restarts, and the operator reads them a chunk at a time. Layout under ``root/<model>/``:
 ``inputs/<address>.json`` (keys and texts, written by the operator), ``chunks/<address>.npz`` (keys
 and float16 unit vectors, written by a worker under a temporary name and renamed, so a chunk is
-either whole or absent), ``plans/<id>.json``.
+either whole or absent), ``plans/<id>.json``, ``catalogs/<hash>.json`` (a catalog's plan in force).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -91,13 +96,21 @@ class ChunkStore:
         return keys
 
     def plan(self, texts: Sequence[str], chunk_items: int = CHUNK_ITEMS) -> Plan:
-        """Chunks of the items whose key is not cached yet; writes their inputs and the plan file."""
-        cached = self.cached_keys()
-        todo: dict[str, str] = {}
+        """Chunks of the items whose key is not cached yet; writes their inputs and the plan file.
+        The catalog's recorded plan while some of its chunks are still missing (a stable Job)."""
+        every: dict[str, str] = {}
         for text in texts:
-            key = item_key(self.fingerprint, text)
-            if key not in cached:
-                todo.setdefault(key, text)
+            every.setdefault(item_key(self.fingerprint, text), text)
+        digest = hashlib.blake2b(f"{chunk_items}\n".encode() + "\n".join(sorted(every)).encode(),
+                                 digest_size=16).hexdigest()
+        record = self._path("catalogs", digest, ".json")
+        if record.exists():
+            doc = json.loads(record.read_text())
+            recorded = Plan(self.fingerprint, tuple(doc["chunks"]), int(doc["items"]))
+            if self.done(recorded.addresses) < len(recorded.addresses):
+                return recorded
+        cached = self.cached_keys()
+        todo = {key: text for key, text in every.items() if key not in cached}
         keys = sorted(todo)
         addresses = []
         for start in range(0, len(keys), chunk_items):
@@ -109,6 +122,7 @@ class ChunkStore:
         if addresses:
             _write_json(self._path("plans", plan.id, ".json"), {"fingerprint": self.fingerprint,
                                                                 "chunks": addresses})
+        _write_json(record, {"chunks": addresses, "items": len(keys)}, replace=True)
         return plan
 
     def run_chunk(self, plan_id: str, index: int, encode: Encode) -> int:
@@ -149,10 +163,10 @@ class ChunkStore:
         return out
 
 
-def _write_json(path: Path, doc: object) -> None:
+def _write_json(path: Path, doc: object, replace: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():  # content-addressed: the same name always holds the same content
+    if path.exists() and not replace:  # content-addressed: the same name always holds the same content
         return
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(doc))
     tmp.replace(path)

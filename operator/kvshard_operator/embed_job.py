@@ -20,6 +20,7 @@ the operator embeds in process as before. Per reconcile, :func:`stage` plans the
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +41,17 @@ class JobApi(Protocol):
     def create_job(self, namespace: str, body: Mapping[str, Any]) -> None: ...
 
 
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")
+"""The thread pools a worker sizes from its environment (numpy's BLAS, the Rust tokenizer)."""
+
+
+def cpu_threads(quantity: str) -> int:
+    """Threads for a CPU request (``"1"``, ``"1500m"``, ``"2.5"``): rounded up, at least one."""
+    text = str(quantity).strip()
+    cores = int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    return max(1, math.ceil(cores))
+
+
 def job_name(shard: str, plan: Plan, attempt: int = 0) -> str:
     """``<shard>-embed-<plan id>[-r<attempt>]``, within the 63 characters a Job's pods' labels allow."""
     return f"{shard[:63 - 22]}-embed-{plan.id}" + (f"-r{attempt}" if attempt else "")
@@ -52,10 +64,14 @@ def manifest(namespace: str, shard: str, plan: Plan, parallelism: int, settings:
               SHARD_LABEL: shard, PLAN_LABEL: plan.id}
     resources = {"requests": {"cpu": settings.embedding_cpu, "memory": settings.embedding_memory},
                  "limits": {"memory": settings.embedding_memory}}
+    threads = str(cpu_threads(settings.embedding_cpu))
     container = {
         "name": "embed", "image": settings.embedding_image, "imagePullPolicy": "IfNotPresent",
         "command": ["python", "-m", "kvshard_operator.embed_worker", "--root", settings.embedding_root,
                     "--plan", plan.id],
+        # a pod sees every core of its node: keep BLAS and the tokenizer to the cores it requested
+        "env": [{"name": n, "value": threads} for n in THREAD_VARIABLES]
+        + [{"name": "TOKENIZERS_PARALLELISM", "value": "false"}],
         "resources": resources,
         "volumeMounts": [{"name": "embeddings", "mountPath": settings.embedding_root}],
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

@@ -134,6 +134,12 @@ def test_local_cluster_places_scrapes_routes_and_restarts_pods(small_dataset: Pa
         assert shard["spec"]["etcd"]["tls"] == {"secretRef": {"name": ETCD_TLS_SECRET}}
         assert condition(shard, "Ready")["status"] == "True"
         assert (shard["status"]["pods"], shard["status"]["clusters"], shard["status"]["itemsPlaced"]) == (2, 8, 48)
+        # the catalog was embedded by the operator's Indexed Job, whose chunks ran as worker processes
+        embedded = shard["status"]["embedding"]
+        assert embedded["state"] == "Complete", embedded
+        job = cluster.api.get(f"/apis/batch/v1/namespaces/{cluster.namespace}/jobs/{embedded['job']}")
+        assert job["status"]["succeeded"] == job["spec"]["completions"] == embedded["chunks"]
+        assert len(list(cluster.logs_dir.glob(f"{embedded['job']}-*.log"))) >= embedded["chunks"]
         placement, reports = cluster.warm_reports()
         assert placement is not None and set(placement.pods) == {"engine-0", "engine-1"}
         for pod in placement.pods:

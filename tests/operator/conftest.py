@@ -34,9 +34,11 @@ def cluster() -> Iterator[EmulatedCluster]:
     from kvshard_operator import kube
 
     kube._core_api.cache_clear()
+    kube._batch_api.cache_clear()  # each test's API has its own port
     with EmulatedCluster() as c:
         yield c
     kube._core_api.cache_clear()
+    kube._batch_api.cache_clear()
 
 
 @pytest.fixture

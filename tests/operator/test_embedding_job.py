@@ -48,6 +48,21 @@ def test_chunks_are_content_addressed_and_a_rerun_embeds_nothing(tmp_path: Path)
         store.assemble(["a brand new item"])
 
 
+def test_a_plan_stays_in_force_while_its_job_writes_its_chunks(tmp_path: Path) -> None:
+    """Chunks written meanwhile change neither the plan nor its id (the Job's name): re-planning on
+    each poll would make a new Job of the remaining chunks beside the one still running them."""
+    model = embedding.MiniLM()
+    texts = [f"item number {i}" for i in range(10)]
+    store = ChunkStore(tmp_path, FINGERPRINT)
+    plan = store.plan(texts, chunk_items=4)
+    assert store.run_chunk(plan.id, 1, model.encode) == 4
+    assert store.plan(texts, chunk_items=4) == plan  # the next poll: the same plan, one chunk in
+    assert store.plan([*texts, "a new item"], chunk_items=4).items == 7  # another catalog plans afresh
+    for i in (0, 2):
+        store.run_chunk(plan.id, i, model.encode)
+    assert store.plan(texts, chunk_items=4).addresses == ()  # every chunk in: nothing left to plan
+
+
 @pytest.mark.slow
 def test_the_embedding_job_is_tracked_its_failed_pod_reported_and_placement_follows(
         cluster: Any, catalog_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -75,8 +75,8 @@ BUILTINS: tuple[ResourceType, ...] = (
                  columns=tables.CONFIGMAP_COLUMNS),
     ResourceType("", "v1", "secrets", "secret", "Secret", columns=tables.SECRET_COLUMNS),
     ResourceType("", "v1", "events", "event", "Event", short_names=("ev",), columns=tables.EVENT_COLUMNS),
-    # the operator's embedding Jobs (issue 19); no Job controller runs here: the local cluster's job
-    # runner (or a test) writes their status as the Job controller would
+    # the operator's embedding Jobs (issue 19); no Job controller runs here: the local cluster's
+    # (kvshard.local.job_controller) or a test runs them and writes their status as the Job controller would
     ResourceType("batch", "v1", "jobs", "job", "Job", categories=("all",), status_subresource=True,
                  columns=(tables.Column("Completions", json_path=".status.succeeded"), tables.AGE)),
 )
