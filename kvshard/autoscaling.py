@@ -39,10 +39,25 @@ _DURATION = re.compile(r"^[0-9]+(ms|s|m|h)$")
 def pressure_query(namespace: str, statefulset: str, window: str) -> str:
     """The PromQL the KEDA trigger and the local autoscaler evaluate: the engine pods' pressure,
     each averaged over ``window`` (a Prometheus duration), summed over the StatefulSet's pods."""
+    return f"sum({pod_pressure_query(namespace, statefulset, window)})"
+
+
+def pod_pressure_query(namespace: str, statefulset: str, window: str) -> str:
+    """The terms :func:`pressure_query` sums, one series per pod (``pod`` label): what each pod adds
+    to the autoscaler's total, for timelines and dashboards."""
     if not _DURATION.match(window):
         raise ValueError(f"window {window!r} is not a Prometheus duration such as 1m or 30s")
     selector = f'namespace="{namespace}",pod=~"{statefulset}-[0-9]+"'
-    return f"sum(avg_over_time({PRESSURE_METRIC}{{{selector}}}[{window}]))"
+    return f"avg_over_time({PRESSURE_METRIC}{{{selector}}}[{window}])"
+
+
+def duration_seconds(window: str) -> float:
+    """A Prometheus duration such as ``10s`` or ``1m`` in seconds."""
+    match = _DURATION.match(window)
+    if not match:
+        raise ValueError(f"window {window!r} is not a Prometheus duration such as 1m or 30s")
+    unit = match.group(1)
+    return float(window[: -len(unit)]) * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "catalog": ("kvshard_bench.catalog",
                 "a catalog change (+1 % / ~0.5 % / -0.5 %) as a diff vs placing from scratch: publish time, "
                 "unchanged items moved, diff time and memory"),
+    "embedding": ("kvshard_bench.embedding",
+                  "the operator's embedding Job run locally: items/s of 1 worker process and of N at once, "
+                  "efficiency vs N × one worker (target >= 0.8)"),
     "fidelity": ("kvshard_bench.fidelity", "TTFT and fidelity of every blend method vs full prefill"),
     "guard": ("kvshard_bench.guard", "the fidelity guard's cost on the local cluster: p50/p99 TTFT with shadow checks "
               "on (sampleRate 5 %) vs off in alternating blocks of the same trace, shadow checks and their agreement"),
@@ -112,9 +115,10 @@ def _add_demo_command(sub: Any) -> None:
         description="Bring up the local cluster (etcd, Prometheus, operator, sidecar pods, router), apply the "
         "example CacheShard and wait for Ready, replay MovieLens sessions with Zipf-skewed popularity and a "
         "hot-shard burst through the router, then print hit ratios per tier and segment kind, TTFT blended vs "
-        "full prefill, per-pod load before and after the rebalance, agreement with full prefill and HR@k, and write "
-        "summary.txt, summary.json, requests.jsonl and placement.png. (The single-process demo is "
-        "`kvshard sidecar demo`.)",
+        "full prefill, per-pod load before and after the rebalance, agreement with full prefill and HR@k; then a "
+        "load ramp the autoscaler answers with a third pod and back (pods, load per pod, locality over time); "
+        "write summary.txt, summary.json, requests.jsonl, placement.png, ramp.json and ramp.png. (The single-process "
+        "demo is `kvshard sidecar demo`.)",
     )
     demo.add_argument("--pods", type=int, default=3, help="sidecar pods (default: %(default)s)")
     demo.add_argument("--model", default="base", metavar="base|finetuned|PATH",
@@ -138,6 +142,13 @@ def _add_demo_command(sub: Any) -> None:
                       help="share of requests shadow-checked against full prefill (default: %(default)s)")
     demo.add_argument("--fidelity-interval", type=int, default=20, metavar="SECONDS",
                       help="the guard's decision interval; the window is three intervals (default: %(default)s)")
+    demo.add_argument("--ramp", action=argparse.BooleanOptionalAction, default=True,
+                      help="after the replay, a load ramp: scale to the autoscaling minimum (2 pods), run the chart's "
+                           "autoscaler, raise load until it adds a pod and lower it until it removes one; writes "
+                           "ramp.json and ramp.png (default: on)")
+    demo.add_argument("--ramp-timeout", type=float, default=600.0, metavar="SECONDS",
+                      help="longest the ramp runs; if the autoscaler has not decided by then the ramp stops and "
+                           "says so (default: %(default)s)")
     demo.set_defaults(handler=_lazy("kvshard_bench.demo", "run"))
 
 

@@ -17,6 +17,11 @@ with ``blend.ratio = 1`` (exact full prefill), for TTFT, agreement of the chosen
 quality of both rankings against the item the user rated next. The numbers and
 the picture come from :mod:`demo_report`; files go to ``--out`` (default ``<user cache>/demo``).
 
+After the replay, :mod:`demo_ramp` runs a load ramp (``--no-ramp``: none): the cluster goes to the
+autoscaling rules' minimum (two pods), the chart's autoscaler runs against the local Prometheus, and load
+through the router rises until it adds a pod, then falls until it removes one; ``ramp.json`` and
+``ramp.png`` hold its timeline, the summary its decisions, moved clusters and hit ratios.
+
 Before the replay the demo sets a fidelity target on its CacheShard (``spec.fidelity``,
 ``--fidelity-target`` 90 % by default, 0: none): the sidecars shadow-check a share of the requests and
 the operator moves the recompute ratio to meet the target; :mod:`demo_fidelity` reports its decisions.
@@ -40,7 +45,7 @@ import aiohttp
 from kvshard.datasets import Dataset, load_dataset
 from kvshard.paths import cache_dir
 from kvshard.placement_schema import Placement
-from kvshard_bench import demo_fidelity
+from kvshard_bench import demo_fidelity, demo_ramp
 from kvshard_bench import demo_report as report
 from kvshard_bench.demo_trace import DemoRequest, DemoTrace, DemoTraceSettings, ItemSpace, items_in, pick_hot_clusters
 from kvshard_bench.demo_watch import PlacementWatch
@@ -69,6 +74,9 @@ class DemoSettings:
     """spec.fidelity.targetAgreementPercent (0: no fidelity guard)."""
     fidelity_sample_rate: int = 10
     fidelity_interval_s: int = 20
+    ramp: bool = True
+    """After the replay, a load ramp the autoscaler answers (:mod:`demo_ramp`)."""
+    ramp_timeout_s: float = 600.0
 
     @property
     def out_dir(self) -> Path:
@@ -96,7 +104,10 @@ def settings_from(args: argparse.Namespace) -> DemoSettings:
                             keep_running=args.keep_running, concurrency=args.concurrency, pairs=max(0, args.pairs),
                             burst_timeout_s=args.burst_timeout, seed=args.seed,
                             fidelity_target=args.fidelity_target, fidelity_sample_rate=args.fidelity_sample_rate,
-                            fidelity_interval_s=args.fidelity_interval)
+                            fidelity_interval_s=args.fidelity_interval, ramp=args.ramp,
+                            ramp_timeout_s=args.ramp_timeout)
+    if settings.ramp_timeout_s <= 0:
+        raise SystemExit("kvshard demo: --ramp-timeout must be > 0")
     try:
         settings.fidelity_spec()
     except ValueError as exc:
@@ -131,11 +142,12 @@ def run(args: argparse.Namespace) -> int:
 def _replay_and_report(cluster: Any, dataset: Dataset, settings: DemoSettings, started: float) -> int:
     out = settings.out_dir
     result = asyncio.run(Replay(cluster, dataset, settings).run())
+    ramp, ramp_files = _ramp(cluster, result.trace, settings) if settings.ramp else (None, [])
     wall = time.monotonic() - started
     spec = settings.fidelity_spec()
     fidelity = demo_fidelity.summarize(result.fidelity, spec) if spec else None
     summary = report.summarize(result.records, result.pairs, result.samples, result.changes, result.pods, wall,
-                               notes=result.notes, fidelity=fidelity)
+                               notes=result.notes, fidelity=fidelity, ramp=ramp)
     text = report.render(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.txt").write_text(text + "\n")
@@ -146,7 +158,8 @@ def _replay_and_report(cluster: Any, dataset: Dataset, settings: DemoSettings, s
                       target_percent=spec["targetAgreementPercent"] if spec else None)
     print("\n" + text + "\n")
     print(f"files: {out / 'summary.txt'}, {out / 'summary.json'}, {out / 'requests.jsonl'}, "
-          f"{out / 'placements.jsonl'}, {png}; cluster logs in {cluster.logs_dir}", flush=True)
+          f"{out / 'placements.jsonl'}, {png}{''.join(f', {f}' for f in ramp_files)}; "
+          f"cluster logs in {cluster.logs_dir}", flush=True)
     if settings.keep_running:
         print(f"the cluster keeps running: router {cluster.router_url}, Prometheus {cluster.prometheus_url}, "
               f"etcd {cluster.etcd_endpoint}; Ctrl-C stops it", flush=True)
@@ -158,6 +171,28 @@ def _replay_and_report(cluster: Any, dataset: Dataset, settings: DemoSettings, s
     return 0 if summary["ok"] else 1
 
 
+def _ramp(cluster: Any, trace: DemoTrace | None, settings: DemoSettings) -> tuple[dict[str, Any], list[Path]]:
+    """The autoscaling phase: the summary's section and the files written (``ramp.json``, ``ramp.png``).
+    A ramp that cannot start or that fails is a note in the summary, never the end of the demo."""
+    if trace is None:
+        return {"outcome": "no ramp: the replay built no trace"}, []
+    print(f"autoscaling ramp: at most {settings.ramp_timeout_s:.0f} s (--ramp-timeout)", flush=True)
+    try:
+        result = demo_ramp.run(cluster, lambda: trace.next().body(), settings.ramp_timeout_s,
+                               progress=lambda line: print(line, flush=True))
+    except Exception as exc:  # the replay's results stand whatever happens here
+        log.exception("the autoscaling ramp failed")
+        return {"outcome": f"the ramp failed: {type(exc).__name__}: {exc}"}, []
+    if isinstance(result, str):
+        print(result, flush=True)
+        return {"outcome": result}, []
+    doc = demo_ramp.document(result)
+    path = settings.out_dir / "ramp.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    png = demo_ramp.plot(doc, settings.out_dir / "ramp.png")
+    return demo_ramp.section(doc), [path, png]
+
+
 @dataclasses.dataclass
 class ReplayResult:
     records: list[report.Record]
@@ -167,6 +202,8 @@ class ReplayResult:
     pods: list[str]
     notes: dict[str, Any]
     fidelity: list[demo_fidelity.FidelitySample] = dataclasses.field(default_factory=list)
+    trace: DemoTrace | None = None
+    """The session trace, which the autoscaling ramp continues."""
 
 
 class Replay:
@@ -231,7 +268,7 @@ class Replay:
         self.notes["round-robin"] = ("counterfactual: request i would go to healthy pod i mod N; "
                                      "held = its candidates whose cluster that pod was assigned")
         return ReplayResult(self.records, pairs, list(watch.samples), watch.changes(), pods, self.notes,
-                            list(watch.fidelity))
+                            list(watch.fidelity), trace)
 
     async def _set_fidelity(self) -> None:
         """Set the demo's ``spec.fidelity`` on the CacheShard (a merge patch through the local Kubernetes

@@ -19,7 +19,8 @@ without a cluster:
   ranking (its expectation), so "same as full prefill" and "useful at all" sit side by side;
 * per-pod request share per phase with the max/mean imbalance, the generations seen and what each
   new generation changed;
-* with a fidelity target, the guard's decisions over time (:mod:`demo_fidelity`).
+* with a fidelity target, the guard's decisions over time (:mod:`demo_fidelity`);
+* the autoscaling ramp's section (:mod:`demo_ramp`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshard.ranking import QUALITY_METRICS, hit_at, ndcg_at, random_quality
-from kvshard_bench import demo_fidelity
+from kvshard_bench import demo_fidelity, demo_ramp
 
 TIERS = ("memory", "disk", "peer")
 KIND_ORDER = ("system", "history", "free", "item", "instruction")
@@ -211,9 +212,11 @@ def _kind_rank(kind: str) -> tuple[int, str]:
 
 def summarize(records: Sequence[Record], pairs: Sequence[PrefillPair], samples: Sequence[PlacementSample],
               changes: Mapping[int, Sequence[str]], pods: Sequence[str], wall_s: float,
-              notes: Mapping[str, Any] | None = None, fidelity: Mapping[str, Any] | None = None) -> dict[str, Any]:
+              notes: Mapping[str, Any] | None = None, fidelity: Mapping[str, Any] | None = None,
+              ramp: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Everything the demo prints, as one JSON-able document (``summary.json``); ``fidelity`` is
-    :func:`demo_fidelity.summarize`'s section when the demo ran with a target."""
+    :func:`demo_fidelity.summarize`'s section when the demo ran with a target, ``ramp``
+    :func:`demo_ramp.section`'s (or ``{"outcome": why not}``) when it ran the autoscaling ramp."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     blended = [p.blended_ttft_ms for p in pairs]
@@ -247,6 +250,7 @@ def summarize(records: Sequence[Record], pairs: Sequence[PrefillPair], samples: 
         "generations": {str(g): t for g, t in sorted(generations.items())},
         "changes": {str(g): list(lines) for g, lines in sorted(changes.items())},
         **({"fidelity": dict(fidelity)} if fidelity else {}),
+        **({"ramp": dict(ramp)} if ramp else {}),
         **({"notes": dict(notes)} if notes else {}),
     }
 
@@ -312,6 +316,8 @@ def render(summary: Mapping[str, Any]) -> str:
     out += _table(["phase", "requests", *pods, "max/mean", "held", "held (rr)"], rows) + [""]
     if "fidelity" in summary:
         out += demo_fidelity.render(summary["fidelity"])
+    if "ramp" in summary:
+        out += demo_ramp.render(summary["ramp"])
     gens = summary["generations"]
     out += ["Placement generations: " + (", ".join(f"{g} at {float(s):.0f} s" for g, s in gens.items()) or "none")]
     for g, lines in summary["changes"].items():

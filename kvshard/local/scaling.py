@@ -158,6 +158,9 @@ class LocalAutoscaler:
         self.evaluations: list[Evaluation] = []
         self.changes: list[tuple[float, ScaleChange]] = []
         """(wall time of the decision, the change)."""
+        self.pending: tuple[float, int, int] | None = None
+        """(wall time of the decision, pods before, pods wanted) while a change runs: which pods are
+        joining or draining right now, for timelines (``changes`` only has a change once it is done)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="autoscaler", daemon=True)
 
@@ -193,7 +196,11 @@ class LocalAutoscaler:
         if desired != current:
             log.info("autoscaler: pressure %s over %d pods → %d pods", value, current, desired)
             decided = time.time()
-            self.changes.append((decided, self.cluster.scale(desired)))
+            self.pending = (decided, current, desired)
+            try:
+                self.changes.append((decided, self.cluster.scale(desired)))
+            finally:
+                self.pending = None
         return evaluation
 
     def _loop(self) -> None:
