@@ -4,8 +4,12 @@ A shop, a news site and a music service each say what they are, so the texts aro
 are the user's: the system text, the history header, the candidates header, the question, and the
 format of one item line (``{text}`` plus, optionally, other fields of the catalog's items, e.g.
 ``{text} ({brand})``). The *structure* is fixed — system, history, a free ``Candidates:`` header, a
-free label ``A. `` plus one item per candidate, the question — because blending, fine-tuning and
-the block layout rely on it.
+free label plus one item per candidate, the question — because blending, fine-tuning and the
+block layout rely on it. Only where the label stands is a choice (``labelPosition``): ``before``
+(``A. <item>``, the default) or ``after`` (``<item> [A]``). A model fine-tuned on one must be served
+with it: with the label first, the label token cannot see its item under the causal mask, and a
+short fine-tune does not learn to point at a candidate (bench/experiments/finetune_label_position_probe.py);
+with the label after its item, the label token has read the item and the answer copies it.
 
 A template decides every block's tokens, so it is part of every block key
 (:attr:`PromptTemplate.fingerprint` goes into the model identity): a changed system text never
@@ -35,6 +39,7 @@ DEFAULT_HISTORY_HEADER = "Movies this user watched, oldest first:\n"
 DEFAULT_CANDIDATES_HEADER = "\nCandidates:\n"
 DEFAULT_QUESTION = "\nWhich candidate will the user watch next? Answer with its letter only."
 DEFAULT_ITEM_FORMAT = "{text}"
+LABEL_POSITIONS = ("before", "after")
 
 MAX_TEXT_CHARS = 4000
 """Longest system text or question (the CRD says the same): every prompt pays for them."""
@@ -42,7 +47,7 @@ MAX_HEADER_CHARS = 500
 MAX_ITEM_FORMAT_CHARS = 500
 FIELD_NAME = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"
 SPEC_FIELDS = {"systemText": "system", "historyHeader": "history_header", "candidatesHeader": "candidates_header",
-               "question": "question", "itemFormat": "item_format"}
+               "question": "question", "itemFormat": "item_format", "labelPosition": "label_position"}
 
 
 class TemplateError(ValueError):
@@ -85,6 +90,8 @@ class PromptTemplate:
     candidates_header: str = DEFAULT_CANDIDATES_HEADER
     question: str = DEFAULT_QUESTION
     item_format: str = DEFAULT_ITEM_FORMAT
+    label_position: str = "before"
+    """``before``: ``A. <item>``; ``after``: ``<item> [A]``."""
 
     def __post_init__(self) -> None:
         limits = {"system": MAX_TEXT_CHARS, "question": MAX_TEXT_CHARS, "history_header": MAX_HEADER_CHARS,
@@ -103,6 +110,9 @@ class PromptTemplate:
             raise TemplateError("spec.prompt.itemFormat: must contain {text} (the item's own text)")
         if "\n" in self.item_format:
             raise TemplateError("spec.prompt.itemFormat: must be one line (each item is one line of the prompt)")
+        if self.label_position not in LABEL_POSITIONS:
+            raise TemplateError(f"spec.prompt.labelPosition: {self.label_position!r}; must be one of "
+                                f"{', '.join(LABEL_POSITIONS)}")
 
     @property
     def item_fields(self) -> list[str]:
@@ -120,9 +130,22 @@ class PromptTemplate:
             return ""
         return hashlib.blake2b(self.encode(), digest_size=16).hexdigest()
 
+    @property
+    def label_after(self) -> bool:
+        return self.label_position == "after"
+
+    def label_text(self, label: str) -> str:
+        """A candidate's label segment: ``"A. "`` before its item line, ``" [A]\n"`` after it (the
+        label segment then ends the line; before, the item's segment does)."""
+        return f" [{label}]\n" if self.label_after else f"{label}. "
+
     def as_spec(self) -> dict[str, str]:
-        """The template as ``spec.prompt`` spells it."""
-        return {spec: getattr(self, attr) for spec, attr in SPEC_FIELDS.items()}
+        """The template as ``spec.prompt`` spells it (``labelPosition`` only when not the default, so
+        the fingerprints of templates made before it existed stay as they were)."""
+        spec = {name: getattr(self, attr) for name, attr in SPEC_FIELDS.items()}
+        if self.label_position == "before":
+            del spec["labelPosition"]
+        return spec
 
     def encode(self) -> bytes:
         return json.dumps(self.as_spec(), sort_keys=True, separators=(",", ":")).encode()

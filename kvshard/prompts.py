@@ -5,7 +5,8 @@ The prompt reads, in order::
     [system]       chat-template prefix, system text, user header          (same for everyone)
     [history]      the user's watched items, one line each                 (one block per user)
     [free]         "Candidates:" header
-    [free][item]   "A. " label, then the item's text — repeated per candidate (one block per item)
+    [free][item]   "A. " label, then the item's text — repeated per candidate (one block per item);
+                   or [item][free], the item's text then " [A]" (``labelPosition: after``)
     [instruction]  the question and the chat template's generation prompt (the uncached suffix)
 
 Labels sit in their own tiny segments so an item's block is the same whichever letter it gets.
@@ -152,7 +153,7 @@ class PromptBuilder:
         self.candidates_segment = self._segment(SegmentKind.FREE, template.candidates_header)
         self.instruction_segment = self._segment(SegmentKind.INSTRUCTION, question + chat_suffix)
         self.labels, self.label_token_ids = self._single_token_labels()
-        self._label_segments = [self._segment(SegmentKind.FREE, f"{label}. ") for label in self.labels]
+        self._label_segments = [self._segment(SegmentKind.FREE, template.label_text(label)) for label in self.labels]
         self._item_segments: dict[str, Segment] = {}
 
     @property
@@ -163,10 +164,13 @@ class PromptBuilder:
         return Segment(kind, tuple(self.tokenizer.encode(text, add_special_tokens=False)), text)
 
     def _single_token_labels(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Labels that are one token, and that same token inside their label segment (the answer
+        copies it from there)."""
         labels, ids = [], []
         for label in LABEL_ALPHABET:
             encoded = self.tokenizer.encode(label, add_special_tokens=False)
-            if len(encoded) == 1:
+            in_segment = self.tokenizer.encode(self.template.label_text(label), add_special_tokens=False)
+            if len(encoded) == 1 and encoded[0] in in_segment:
                 labels.append(label)
                 ids.append(encoded[0])
         return tuple(labels), tuple(ids)
@@ -186,7 +190,8 @@ class PromptBuilder:
         segment = self._item_segments.get(item_id)
         if segment is None:
             item = self._item(item_id, inline or {})
-            segment = self._segment(SegmentKind.ITEM, self.item_line(item) + "\n")
+            end = "" if self.template.label_after else "\n"  # after: the label segment ends the line
+            segment = self._segment(SegmentKind.ITEM, self.item_line(item) + end)
             if item_id in self.dataset.items:
                 self._item_segments[item_id] = segment
         return segment
@@ -206,7 +211,8 @@ class PromptBuilder:
             segments.append(self.history_segment(request.history, inline))
         segments.append(self.candidates_segment)
         for label_segment, item_id in zip(self._label_segments, request.candidates, strict=False):
-            segments += [label_segment, self.item_segment(item_id, inline)]
+            item_segment = self.item_segment(item_id, inline)
+            segments += [item_segment, label_segment] if self.template.label_after else [label_segment, item_segment]
         segments.append(self.instruction_segment)
         count = len(request.candidates)
         return RecommendationPrompt(

@@ -50,7 +50,7 @@ def load_prompt(path: Path) -> dict[str, str]:
         raise ValueError(f"prompt file {path}: not YAML ({exc})") from None
     if not isinstance(obj, dict) or not obj:
         raise ValueError(f"prompt file {path}: expected a mapping of spec.prompt fields (systemText, historyHeader, "
-                         "candidatesHeader, question, itemFormat)")
+                         "candidatesHeader, question, itemFormat, labelPosition)")
     try:
         template = PromptTemplate.from_spec(obj)
     except (TemplateError, TypeError) as exc:

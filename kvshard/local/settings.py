@@ -31,7 +31,7 @@ class LocalClusterSettings:
                            "line) or a folder holding one; replace the file and the change flows to the pods")
     prompt: Path | None = setting(None, "YAML file with the CacheShard's spec.prompt, generated or --cacheshard "
                                   "(systemText, historyHeader, candidatesHeader, question, itemFormat such as "
-                                  "'{text} by {author}'; default: the MovieLens prompt)")
+                                  "'{text} by {author}', labelPosition before|after; default: the MovieLens prompt)")
     catalog_refresh_seconds: int = setting(10, "spec.catalog.refreshSeconds of the generated CacheShard: how often the "
                                            "operator re-reads a file catalog (the CRD allows 5 or more)")
     model: str = setting("base", "model the sidecars serve: 'base' (SmolLM2-135M-Instruct), 'finetuned' (the "

@@ -179,7 +179,8 @@ def merge_adapter(base: Path, adapter_folder: Path, target: Path, name: str = FI
                 shutil.copyfile(base / copied, staging / copied)
         write_identity(staging, name)
         record = {"adapter": adapter_folder.name, "adapter_sha256": adapter.sha256, "scale": scale,
-                  "base": adapter.provenance["base"], "command": adapter.provenance.get("command")}
+                  "base": adapter.provenance["base"], "command": adapter.provenance.get("command"),
+                  "prompt": trained_prompt(adapter.provenance)}
         (staging / MERGE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         if target.exists():
             shutil.rmtree(target)
@@ -189,6 +190,24 @@ def merge_adapter(base: Path, adapter_folder: Path, target: Path, name: str = FI
             shutil.rmtree(staging, ignore_errors=True)
     log.info("merged adapter %s into %s at %s", adapter_folder.name, base.name, target)
     return target
+
+
+def trained_prompt(provenance: dict[str, Any]) -> dict[str, str]:
+    """The ``spec.prompt`` fields an adapter was trained with that differ from the default template
+    (today the label position): the model must be asked that way."""
+    position = (provenance.get("settings") or {}).get("label_position", "before")
+    return {} if position == "before" else {"labelPosition": str(position)}
+
+
+def model_prompt(model: Path) -> dict[str, str]:
+    """The ``spec.prompt`` fields a merged model was trained with (``{}``: the default template, also
+    for the base model and for folders merged before this was recorded)."""
+    try:
+        record = json.loads((model / MERGE_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    prompt = record.get("prompt") if isinstance(record, dict) else None
+    return {str(k): str(v) for k, v in prompt.items()} if isinstance(prompt, dict) else {}
 
 
 def finetuned_model_path() -> Path:

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from kvshard.datasets import load_dataset
 from kvshard.paths import cache_dir
-from kvshard.prompts import PromptBuilder, RecommendationPrompt
+from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt
 from kvshard.ranking import QUALITY_METRICS, quality
 from kvshard.splits import UserSplit, training_requests, validation_requests
 from kvshard_sidecar.adapter_merge import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -199,7 +199,7 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
     users = split.training_users(dataset)
     if settings.users:
         users = sorted(random.Random(settings.seed).sample(users, min(settings.users, len(users))))
-    builder = PromptBuilder(tokenizer, dataset)
+    builder = PromptBuilder(tokenizer, dataset, template=PromptTemplate(label_position=settings.label_position))
     requests = training_requests(dataset, users, settings.history, settings.candidates,
                                  settings.steps * settings.accumulation, settings.seed, settings.window)
     if not requests:

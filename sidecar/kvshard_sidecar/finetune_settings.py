@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvshard import settings as settings_lib
+from kvshard.prompt_template import LABEL_POSITIONS
 from kvshard.settings import setting
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT
 
@@ -30,6 +31,9 @@ class FinetuneSettings:
                                      "(default: <user cache>/finetune/movielens-rec)")
     history: int = setting(10, "history items per training prompt")
     candidates: int = setting(20, "candidates per training prompt (the target and sampled unseen negatives)")
+    label_position: str = setting("before", "where a candidate's label stands: 'before' ('A. <item>', the default "
+                                            "template) or 'after' ('<item> [A]': the label token has read its item, "
+                                            "so a short run learns to point; serve with spec.prompt.labelPosition)")
     steps: int = setting(150, "optimizer steps (each over --accumulation examples)")
     accumulation: int = setting(4, "examples per optimizer step (gradient accumulation)")
     minutes: float = setting(50.0, "wall-clock budget for the training steps (intermediate validations "
@@ -69,6 +73,8 @@ class FinetuneSettings:
             raise settings_lib.SettingsError("--candidates must be at least 2")
         if not self.targets or set(self.targets) - set(ALL_PROJECTIONS):
             raise settings_lib.SettingsError(f"--targets must be among {', '.join(ALL_PROJECTIONS)}")
+        if self.label_position not in LABEL_POSITIONS:
+            raise settings_lib.SettingsError(f"--label-position must be one of {', '.join(LABEL_POSITIONS)}")
         if self.teacher not in ("item-knn", "none"):
             raise settings_lib.SettingsError("--teacher must be 'item-knn' or 'none'")
         if not 0.0 <= self.teacher_weight <= 1.0 or self.teacher_temperature <= 0:

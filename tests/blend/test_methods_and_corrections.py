@@ -18,10 +18,12 @@ from kvshard_sidecar.engine.methods import METHODS, method_settings
 from kvshard_sidecar.engine.selectors import (
     ROLE_HEADER,
     ROLE_LABEL,
+    ROLE_PLAIN,
     Layout,
     deviation_scores,
     keep_count,
     plan,
+    segment_units,
 )
 
 # system, history, header, then label/item pairs, instruction: the real prompt's shape
@@ -238,3 +240,15 @@ def test_default_prompt_plan_is_unchanged_by_the_new_fields() -> None:
     prompt = tiny_prompt()
     layout = BlendEngine.layout(prompt, 6, BlendSettings())
     assert plan(layout, BlendSettings(selector="boundary", ratio=0.3)).picker is None
+
+
+def test_with_labels_after_their_items_each_label_joins_the_item_before_it() -> None:
+    kinds = ["system", "history", "free", "item", "free", "item", "free", "item", "free", "instruction"]
+    units, roles = segment_units(kinds)
+    assert roles[2] == ROLE_HEADER
+    for item, label in ((3, 4), (5, 6), (7, 8)):
+        assert (roles[label], units[label]) == (ROLE_LABEL, item)
+    before = ["system", "history", "free", "free", "item", "free", "item", "instruction"]
+    assert segment_units(before) == ([0, 1, 2, 4, 4, 6, 6, 7],
+                                     [ROLE_PLAIN, ROLE_PLAIN, ROLE_HEADER, ROLE_LABEL, ROLE_PLAIN, ROLE_LABEL,
+                                      ROLE_PLAIN, ROLE_PLAIN])

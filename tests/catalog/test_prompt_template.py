@@ -52,3 +52,13 @@ def test_a_changed_system_text_changes_every_block_key_even_a_standalone_items()
             for t in (DEFAULT_TEMPLATE, shop, shop2)}
     assert len(keys) == 3
     assert block_key(base, item) == block_key(ModelIdentity("m", "r", "t", template=""), item)
+
+
+def test_the_label_position_is_before_by_default_and_after_changes_the_fingerprint() -> None:
+    after = PromptTemplate.from_spec({"labelPosition": "after"})
+    assert DEFAULT_TEMPLATE.label_position == "before" and "labelPosition" not in DEFAULT_TEMPLATE.as_spec()
+    assert PromptTemplate.from_spec({"labelPosition": "before"}).fingerprint == ""
+    assert after.as_spec()["labelPosition"] == "after" and after.fingerprint not in ("", DEFAULT_TEMPLATE.fingerprint)
+    assert (DEFAULT_TEMPLATE.label_text("C"), after.label_text("C")) == ("C. ", " [C]\n")
+    with pytest.raises(TemplateError, match="spec.prompt.labelPosition: 'middle'"):
+        PromptTemplate.from_spec({"labelPosition": "middle"})

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvshard.prompts import PromptBuilder, sample_requests
+from kvshard.prompts import PromptBuilder, PromptTemplate, sample_requests
 from kvshard.segments import SegmentKind
 
 pytestmark = pytest.mark.model
@@ -83,3 +83,19 @@ def test_unknown_items_and_too_many_candidates_are_refused(builder: PromptBuilde
     too_many = tuple(sorted(movielens.items))[: builder.max_candidates + 1]
     with pytest.raises(ValueError, match="at most"):
         builder.build(request.__class__(request.user_id, request.history, too_many))
+
+
+def test_with_the_label_after_its_item_each_candidate_line_ends_with_its_label(
+        smollm2: Any, movielens: Any, builder: PromptBuilder) -> None:
+    after = PromptBuilder(smollm2.tokenizer, movielens, template=PromptTemplate(label_position="after"))
+    request = sample_requests(movielens, users=1, history=5, candidates=20, seed=4)[0]
+    built = after.build(request)
+    segments = built.prompt.segments
+    assert [s.kind for s in segments[3:-1]] == [SegmentKind.ITEM, SegmentKind.FREE] * 20
+    for index, (label, token) in enumerate(zip(built.labels, built.label_token_ids, strict=True)):
+        item, label_segment = segments[3 + 2 * index], segments[4 + 2 * index]
+        assert item.text == after.item_line(movielens.items[request.candidates[index]])
+        assert label_segment.text == f" [{label}]\n" and token in label_segment.token_ids
+    assert built.labels == builder.build(request).labels  # the same letters answer in both positions
+    for segment in segments:
+        assert list(segment.token_ids) == after.tokenizer.encode(segment.text, add_special_tokens=False)

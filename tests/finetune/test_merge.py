@@ -17,6 +17,7 @@ from kvshard_sidecar.adapter_merge import (
     BaseMismatchError,
     is_current,
     merge_adapter,
+    model_prompt,
     prepare_finetuned,
 )
 from kvshard_sidecar.model import IDENTITY_FILE, default_model_path, read_identity
@@ -111,3 +112,15 @@ def test_every_model_flag_spells_models_the_same_way(tmp_path: Path, monkeypatch
     monkeypatch.setenv("KVSHARD_CACHE_DIR", str(tmp_path / "empty-cache"))
     with pytest.raises(FileNotFoundError, match="kvshard model prepare"):
         resolve_model("finetuned")
+
+
+def test_the_merged_folder_records_the_label_position_it_was_trained_with(
+        merged: Path, tiny_adapter: Path, tmp_path: Path) -> None:
+    assert model_prompt(merged) == {} and model_prompt(default_model_path()) == {}
+    after = tmp_path / "after-adapter"
+    shutil.copytree(tiny_adapter, after)
+    provenance = json.loads((after / "provenance.json").read_text())
+    provenance["settings"]["label_position"] = "after"
+    (after / "provenance.json").write_text(json.dumps(provenance))
+    again = merge_adapter(default_model_path(), after, tmp_path / "Rec", "Rec")
+    assert model_prompt(again) == {"labelPosition": "after"}

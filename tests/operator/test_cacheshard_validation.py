@@ -113,6 +113,7 @@ MISTAKES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("prompt-empty-system-text", _set("spec.prompt", {"systemText": ""}), "spec.prompt.systemText"),
     ("prompt-oversized-question", _set("spec.prompt", {"question": "?" * 4001}), "spec.prompt.question"),
     ("prompt-unknown-field", _set("spec.prompt", {"system": "You sell books."}), "spec.prompt.system"),
+    ("prompt-label-position", _set("spec.prompt", {"labelPosition": "middle"}), "spec.prompt.labelPosition"),
     ("url-catalog-ftp", _set("spec.catalog", {"url": {"url": "ftp://example.com/items.jsonl"}}),
      "spec.catalog.url.url"),
     ("url-catalog-without-url", _set("spec.catalog", {"url": {"secretRef": {"name": "token"}}}),
@@ -145,7 +146,7 @@ def test_a_custom_prompt_and_a_url_catalog_with_a_token_are_valid_and_defaulted(
     obj["spec"]["catalog"] = {"url": {"url": "https://catalog.shop.internal/items.jsonl",
                                       "secretRef": {"name": "catalog-token"}}}
     obj["spec"]["prompt"] = {"systemText": "You are a bookshop's recommender.", "itemFormat": "{text} by {author}",
-                             "question": "\nWhich book next? Answer with its letter only."}
+                             "question": "\nWhich book next? Answer with its letter only.", "labelPosition": "after"}
     spec = validation.validate(obj)["spec"]
     assert spec["catalog"]["url"]["secretRef"]["key"] == "token"
     assert spec["catalog"]["refreshSeconds"] == 60

@@ -95,15 +95,20 @@ def segment_units(kinds: Sequence[str]) -> tuple[list[int], list[int]]:
     """Per segment: its unit (a label joins the item after it) and its role (label, header or plain).
 
     Labels and headers are the FREE segments (kvshard's prompts put ``"A. "`` in its own segment so an
-    item's block is the same whatever letter it gets); a FREE segment followed by an ITEM is that
-    item's label, any other FREE segment is a header.
+    item's block is the same whatever letter it gets). With the label before its item (the default
+    template) a FREE segment followed by an ITEM is that item's label; with the label after it
+    (``labelPosition: after``, recognised by a FREE segment right after the last ITEM) a FREE
+    segment right after an ITEM is. Any other FREE segment is a header.
     """
     units, roles = list(range(len(kinds))), [ROLE_PLAIN] * len(kinds)
+    items = [i for i, kind in enumerate(kinds) if kind == "item"]
+    after = bool(items) and items[-1] + 1 < len(kinds) and kinds[items[-1] + 1] == "free"
+    step = -1 if after else 1
     for index, kind in enumerate(kinds):
         if kind != "free":
             continue
-        if index + 1 < len(kinds) and kinds[index + 1] == "item":
-            units[index], roles[index] = index + 1, ROLE_LABEL
+        if 0 <= index + step < len(kinds) and kinds[index + step] == "item":
+            units[index], roles[index] = index + step, ROLE_LABEL
         else:
             roles[index] = ROLE_HEADER
     return units, roles
