@@ -23,13 +23,13 @@ _real_training = finetune.training_requests
 _real_validation = finetune.validation_requests
 
 
-def _with_target_in_history(requests: list[Any]) -> list[Any]:
+def with_target_in_history(requests: list[Any]) -> list[Any]:
     return [dataclasses.replace(r, history=(*r.history[:-1], r.target)) for r in requests]
 
 
 def main(argv: list[str]) -> int:
-    finetune.training_requests = lambda *a, **k: _with_target_in_history(_real_training(*a, **k))  # type: ignore[assignment]
-    finetune.validation_requests = lambda *a, **k: _with_target_in_history(_real_validation(*a, **k))  # type: ignore[assignment]
+    finetune.training_requests = lambda *a, **k: with_target_in_history(_real_training(*a, **k))  # type: ignore[assignment]
+    finetune.validation_requests = lambda *a, **k: with_target_in_history(_real_validation(*a, **k))  # type: ignore[assignment]
     words = ["model", "finetune", "--teacher", "none", *argv]
     result = finetune.train(finetune_settings.from_args(build_parser(words).parse_args(words)))
     print(f"copy task: validation HR@1 {result.validation['hr1']:.3f}, "
