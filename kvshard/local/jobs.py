@@ -28,19 +28,15 @@ import secrets
 import sys
 import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvshard.local.kubeapi import timestamp
 from kvshard.processes import ManagedProcess
 
 log = logging.getLogger(__name__)
 
 PYTHONS = ("python", "python3")
-
-
-def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def index_ranges(indexes: set[int]) -> str:
@@ -145,7 +141,7 @@ class IndexedJob:
                 changed.append(pod)
             return changed
         if self.start_time is None:
-            self.start_time = now()
+            self.start_time = timestamp()
         if time.monotonic() < self.not_before:
             return changed
         running = {p.index for p in self.active}
@@ -186,10 +182,11 @@ class IndexedJob:
         return pod
 
     def _finish(self, type_: str, reason: str, message: str) -> None:
-        self.condition = {"type": type_, "status": "True", "lastTransitionTime": now(), "lastProbeTime": now(),
+        at = timestamp()
+        self.condition = {"type": type_, "status": "True", "lastTransitionTime": at, "lastProbeTime": at,
                           **({"reason": reason} if reason else {}), **({"message": message} if message else {})}
         if type_ == "Complete":
-            self.completion_time = now()
+            self.completion_time = timestamp()
         log.info("job %s: %s (%d/%d indexes succeeded, %d pods failed)", self.name, type_, len(self.succeeded),
                  self.completions, self.failed)
 

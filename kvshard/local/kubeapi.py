@@ -70,10 +70,15 @@ class KubeApi:
         return self.request("DELETE", path)
 
 
+def timestamp() -> str:
+    """Now as the API server writes times: ``2026-12-01T10:30:00Z``."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def pod_status(ready: bool, restarts: int, pod_ip: str = "127.0.0.1") -> dict[str, Any]:
     """The ``status`` of a running pod whose one container is (not) ready."""
     flag = "True" if ready else "False"
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = timestamp()
     return {
         "phase": "Running", "podIP": pod_ip, "hostIP": pod_ip,
         "conditions": [{"type": "Ready", "status": flag, "lastTransitionTime": now},

@@ -84,16 +84,24 @@ def pull_cooccurring(
     return normalise(out)
 
 
+def cluster_sums(x: FloatArray, labels: IntArray, k: int) -> tuple[FloatArray, IntArray]:
+    """Sum and count of the rows of each label. One ``add.reduce`` per label over the sorted rows:
+    several times faster than ``add.reduceat``, which walks a 2-D matrix column by column."""
+    order = np.argsort(labels, kind="stable")
+    counts = np.bincount(labels, minlength=k).astype(np.int64)
+    ends = np.cumsum(counts).tolist()
+    xs = x[order]
+    sums = np.zeros((k, x.shape[1]), dtype=np.float32)
+    for c in np.flatnonzero(counts).tolist():
+        np.add.reduce(xs[ends[c] - int(counts[c]):ends[c]], axis=0, out=sums[c])
+    return sums, counts
+
+
 def kmeans_centroids(x: FloatArray, k: int, rng: np.random.Generator, iterations: int) -> FloatArray:
     """Spherical Lloyd iterations on ``x`` from a random start; empty clusters are re-seeded."""
     centroids = x[rng.choice(len(x), size=k, replace=False)].copy()
     for _ in range(iterations):
-        labels = _top_candidates(x, centroids, 1)[0][:, 0]
-        sizes = np.bincount(labels, minlength=k)
-        order = np.argsort(labels, kind="stable")
-        present = np.flatnonzero(sizes)
-        sums = np.zeros_like(centroids)
-        sums[present] = np.add.reduceat(x[order], np.concatenate(([0], np.cumsum(sizes[present])[:-1])))
+        sums, sizes = cluster_sums(x, _top_candidates(x, centroids, 1)[0][:, 0], k)
         empty = np.flatnonzero(sizes == 0)
         sums[empty] = x[rng.choice(len(x), size=len(empty), replace=False)]
         centroids = normalise(sums)
@@ -102,6 +110,9 @@ def kmeans_centroids(x: FloatArray, k: int, rng: np.random.Generator, iterations
 
 def _top_m(sims: FloatArray, m: int) -> tuple[IntArray, FloatArray]:
     """Each row's ``m`` largest columns (best first) and their values; ``sims`` is overwritten."""
+    if m == 1:  # the nearest centroid only (every k-means step): no second pass over the matrix
+        best = np.argmax(sims, axis=1)
+        return best[:, None], np.take_along_axis(sims, best[:, None], axis=1)
     rows = np.arange(len(sims))
     cand = np.empty((len(sims), m), dtype=np.int64)
     score = np.empty((len(sims), m), dtype=np.float32)

@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvshard_operator.catalog_update import Centroids
+from kvshard_operator.placement import cluster_sums, kmeans_centroids
 from kvshard_operator.vectors import FloatArray, IndexArray, VectorSource, unit
 
 Labels = npt.NDArray[np.int32]
@@ -136,32 +137,6 @@ def _shares(sizes: npt.NDArray[np.int64], k: int) -> npt.NDArray[np.int64]:
     return share
 
 
-def _cluster_sums(x: FloatArray, labels: IndexArray, k: int) -> tuple[FloatArray, npt.NDArray[np.int64]]:
-    """Sum and count of the rows of each label. One ``add.reduce`` per label over the sorted rows:
-    several times faster than ``add.reduceat``, which walks a 2-D matrix column by column."""
-    order = np.argsort(labels, kind="stable")
-    counts = np.bincount(labels, minlength=k).astype(np.int64)
-    ends = np.cumsum(counts).tolist()
-    xs = x[order]
-    sums = np.zeros((k, x.shape[1]), dtype=np.float32)
-    for c in np.flatnonzero(counts).tolist():
-        np.add.reduce(xs[ends[c] - int(counts[c]):ends[c]], axis=0, out=sums[c])
-    return sums, counts
-
-
-def _kmeans(x: FloatArray, k: int, rng: np.random.Generator, iterations: int) -> FloatArray:
-    """Spherical Lloyd iterations on ``x`` from a random start, empty clusters re-seeded — the
-    algorithm of :func:`placement.kmeans_centroids`, with faster cluster sums."""
-    centroids = x[rng.choice(len(x), size=k, replace=False)].copy()
-    for _ in range(iterations):
-        labels = np.argmax(x @ np.ascontiguousarray(centroids.T), axis=1)
-        sums, counts = _cluster_sums(x, labels, k)
-        empty = np.flatnonzero(counts == 0)
-        sums[empty] = x[rng.choice(len(x), size=len(empty), replace=False)]
-        centroids = unit(sums)
-    return centroids
-
-
 def train(source: VectorSource, k: int, *, seed: int = 0, sample_per_cluster: int = 32,
           iterations: int = 10, slack_percent: int = 10, refine: int = 3, probes: int = 6) -> Codebook:
     """A two-level codebook of ``min(k, rows)`` fine centroids, trained on a sample of ``source``."""
@@ -176,7 +151,7 @@ def train(source: VectorSource, k: int, *, seed: int = 0, sample_per_cluster: in
     # whole sample does, and _refine moves it to its groups' means anyway
     few = min(len(x), COARSE_SAMPLE * k1)
     xc = x if few == len(x) else x[np.sort(rng.choice(len(x), size=few, replace=False))]
-    coarse = _kmeans(xc, k1, rng, iterations)
+    coarse = kmeans_centroids(xc, k1, rng, iterations)
     del xc
     cand, score = top_candidates(x, coarse, min(4, k1))
     group_cap = -(-len(x) * (100 + slack_percent) // (100 * k1))
@@ -192,7 +167,7 @@ def train(source: VectorSource, k: int, *, seed: int = 0, sample_per_cluster: in
     def fine_of(g: int) -> FloatArray:
         # each group its own generator, so the result does not depend on which thread ran it
         group_rng = np.random.default_rng((seed, g))
-        return _kmeans(x[order[bounds[g]:bounds[g + 1]]], int(share[g]), group_rng, iterations)
+        return kmeans_centroids(x[order[bounds[g]:bounds[g + 1]]], int(share[g]), group_rng, iterations)
 
     fine = _parallel(fine_of, trained)
     group = np.repeat(np.array(trained, dtype=np.int64), share[trained])
@@ -206,7 +181,7 @@ def _refine(book: Codebook, x: FloatArray, iterations: int, probes: int) -> Code
     rows are exactly the ones routing gets wrong. Coarse centroids become their groups' means."""
     for _ in range(iterations):
         lab = _candidates(lambda start, stop: x[start:stop], len(x), _Router.of(book, probes), 1)[0][:, 0]
-        sums, counts = _cluster_sums(x, lab.astype(np.int64), book.k)
+        sums, counts = cluster_sums(x, lab.astype(np.int64), book.k)
         present = np.flatnonzero(counts)
         fine = book.fine.copy()
         fine[present] = unit(sums[present])
