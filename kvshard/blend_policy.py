@@ -47,7 +47,7 @@ LADDER_PERCENTS: tuple[int, ...] = tuple(round(r * 100) for r in RATIO_LADDER)
 METHODS = ("none", "full", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic")
 """Method names a CacheShard may set (the engine's :data:`~kvshard_sidecar.engine.methods.METHODS`;
 a test keeps the two equal)."""
-CORRECTIONS = ("tail", "structure", "segment")
+CORRECTIONS = ("tail", "structure", "labels", "segment")
 """Corrections a CacheShard may add after ``+`` (``+ape`` needs a per-model calibration that
 sidecars do not load, so it is a per-request benchmark option only)."""
 METHOD_PATTERN = rf"^({'|'.join(METHODS)})(\+({'|'.join(CORRECTIONS)}))*$"

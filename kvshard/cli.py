@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshard import __version__
+from kvshard.models import DEFAULT_MODEL, MODEL_HELP
 
 DESCRIPTION = """\
 kvshard: beyond-prefix KV caching for LLM generative recommendation.
@@ -100,7 +101,8 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
 
 def _model_merge(args: argparse.Namespace) -> int:
-    from kvshard_sidecar.adapter_merge import finetuned_model_path, merge_adapter
+    from kvshard.models import finetuned_model_path
+    from kvshard_sidecar.adapter_merge import merge_adapter
     from kvshard_sidecar.model import default_model_path
 
     target = args.output or finetuned_model_path()
@@ -121,9 +123,8 @@ def _add_demo_command(sub: Any) -> None:
         "demo is `kvshard sidecar demo`.)",
     )
     demo.add_argument("--pods", type=int, default=3, help="sidecar pods (default: %(default)s)")
-    demo.add_argument("--model", default="base", metavar="base|finetuned|PATH",
-                      help="model the pods serve: SmolLM2-135M-Instruct, the recommender `kvshard model prepare` "
-                      "merges from a shipped adapter, or a model folder (default: %(default)s)")
+    demo.add_argument("--model", default=DEFAULT_MODEL, metavar="finetuned|base|PATH",
+                      help=f"model the pods serve: {MODEL_HELP} (default: %(default)s)")
     demo.add_argument("--requests", type=int, default=160,
                       help="requests to replay; the burst runs longer if the rebalance is late (default: %(default)s)")
     demo.add_argument("--users", type=int, default=32, help="MovieLens users sampled (default: %(default)s)")

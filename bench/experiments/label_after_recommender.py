@@ -32,6 +32,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvshard import models
 from kvshard.cli import main as kvshard_main
 from kvshard_sidecar import adapter_merge
 from kvshard_sidecar.model import default_model_path
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="flags of `kvshard bench recommender` after --")
     args = parser.parse_args(argv)
     merged = adapter_merge.merge_adapter(default_model_path(), args.adapter, args.merged)
-    adapter_merge.model_prompt = lambda model: {"labelPosition": "after"}  # type: ignore[assignment]
+    models.model_prompt = lambda model: {"labelPosition": "after"}  # type: ignore[assignment]
     rest = [word for word in args.bench if word != "--"]
     return kvshard_main(["bench", "recommender", "--models", "base", str(merged), *rest])
 

@@ -18,10 +18,10 @@ import sys
 import torch
 
 from kvshard.datasets import load_dataset
+from kvshard.models import model_template, resolve_model
 from kvshard.prompts import PromptBuilder, sample_requests
 from kvshard_bench.fidelity import engine_tokenizer, score
 from kvshard_bench.tables import format_rows
-from kvshard_sidecar.adapter_merge import resolve_model
 from kvshard_sidecar.engine import BlendEngine, BlendSettings, MemoryBlockSource
 from kvshard_sidecar.engine.selectors import epic_k_for, keep_count
 
@@ -30,7 +30,7 @@ USERS = int(sys.argv[1]) if len(sys.argv) > 1 else 12
 dataset = load_dataset("movielens-100k")
 model = resolve_model(None)
 engine = BlendEngine.load(model, MemoryBlockSource())
-builder = PromptBuilder(engine_tokenizer(model), dataset)
+builder = PromptBuilder(engine_tokenizer(model), dataset, template=model_template(model))
 requests = [builder.build(r) for r in sample_requests(dataset, USERS, 30, 20, 0)]
 
 rows: dict[str, list[dict[str, float]]] = {}

@@ -40,6 +40,7 @@ def probe(config: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
 
     from kvshard.datasets import load_dataset
+    from kvshard.models import model_template
     from kvshard.prompts import PromptBuilder, sample_requests
     from kvshard_bench.fidelity import engine_tokenizer
     from kvshard_sidecar.engine import BlendEngine, BlendSettings, MemoryBlockSource
@@ -50,7 +51,8 @@ def probe(config: dict[str, Any]) -> list[dict[str, Any]]:
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in config["settings"].items()}
     settings = BlendSettings(**fields)
     engine = BlendEngine.load(config["model"], MemoryBlockSource(), settings)
-    builder = PromptBuilder(engine_tokenizer(Path(config["model"])), dataset)
+    model = Path(config["model"])
+    builder = PromptBuilder(engine_tokenizer(model), dataset, template=model_template(model))
     request = sample_requests(dataset, 1, config["history"], config["candidates"], config["seed"])[0]
     prompt = builder.build(request).prompt
     methods: dict[str, Any] = {

@@ -39,12 +39,12 @@ import torch
 from tqdm import tqdm
 
 from kvshard.datasets import load_dataset
-from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
+from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_template, resolve_model
+from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, kendall_tau, quality, random_quality
 from kvshard_bench.attribution import format_attribution, run_attribution
 from kvshard_bench.frontier import SWEEP_METHODS, SWEEP_RATIOS, format_sweep, plot_frontier, sweep_specs
 from kvshard_bench.tables import format_rows
-from kvshard_sidecar.adapter_merge import MODEL_HELP, resolve_model
 from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings, MemoryBlockSource
 from kvshard_sidecar.engine.contexts import averaging_contexts
 from kvshard_sidecar.engine.methods import method_settings as named_settings
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"with --sweep {list(SWEEP_RATIOS)})")
     parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD[+CORRECTION]",
                         help=f"methods to run (default: {' '.join(DEFAULT_METHODS)}; with --sweep every method "
-                             "and correction); corrections: +tail +structure +segment +ape")
+                             "and correction); corrections: +tail +structure +labels +segment +ape")
     parser.add_argument("--attribution", action="store_true",
                         help="error attribution: replace stale rows of each kind (and every layer <= l) by full "
                              "prefill's exact rows and report KL / tau / top-1")
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recompute the model's attention calibration (+ape methods) even if one is stored")
     parser.add_argument("--seed", type=int, default=0, help="request sampling seed (default: %(default)s)")
     parser.add_argument("--model", default=None, metavar="base|finetuned|PATH",
-                        help=f"{MODEL_HELP} (default: base)")
+                        help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per request and method (default: 1)")
     parser.add_argument("--prefill-context", choices=list(PREFILL_CONTEXTS), default="system",
@@ -97,9 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--appearances seeded in-list contexts (default: %(default)s)")
     parser.add_argument("--appearances", type=int, default=3,
                         help="in-list appearances an 'averaged' item block is averaged over (default: %(default)s)")
-    parser.add_argument("--neutral-text", default="\nCandidates:\nA. ",
+    parser.add_argument("--neutral-text", default=None,
                         help="text behind the system segment that 'neutral' prefill puts before later segments "
-                             "(default: %(default)r)")
+                             "(default: what precedes a first item: the list header and, with labels before "
+                             "items, the first label, '\\nCandidates:\\nA. ')")
     parser.add_argument("--deviation-on", choices=["k", "v", "kv"], default="kv",
                         help="deviation measured on K, V or both (default: %(default)s)")
     parser.add_argument("--deviation-weight", choices=["none", "attention"], default="none",
@@ -190,8 +191,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     model = resolve_model(args.model)
     engine = BlendEngine.load(model, MemoryBlockSource())
     tokenizer = engine_tokenizer(model)
-    builder = PromptBuilder(tokenizer, dataset)
-    neutral = tuple(tokenizer.encode(args.neutral_text, add_special_tokens=False))
+    builder = PromptBuilder(tokenizer, dataset, template=model_template(model))
+    neutral = tuple(tokenizer.encode(neutral_text(builder.template, args.neutral_text), add_special_tokens=False))
     averaged = in_list_contexts(builder, tokenizer, args.appearances, args.seed) \
         if args.prefill_context == "averaged" else ()
     rows: list[Row] = []
@@ -231,14 +232,23 @@ def run(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def neutral_text(template: PromptTemplate, given: str | None) -> str:
+    """``--neutral-text`` or what precedes a prompt's first item under ``template``."""
+    if given is not None:
+        return given
+    return template.candidates_header + ("" if template.label_after else template.label_text("A"))
+
+
 def in_list_contexts(builder: PromptBuilder, tokenizer: Any, appearances: int, seed: int
                      ) -> tuple[tuple[int, ...], ...]:
     """Seeded in-list contexts for ``averaged`` item blocks from the catalog: the prompt's own list
     header and labels, other catalog items as the neighbours (tokenized as the prompt tokenizes them)."""
-    labels = [tuple(tokenizer.encode(f"{label}. ", add_special_tokens=False)) for label in builder.labels]
+    template = builder.template
+    labels = [tuple(tokenizer.encode(template.label_text(label), add_special_tokens=False)) for label in builder.labels]
     items = sorted(builder.dataset.items)
     fillers = [builder.item_segment(item).token_ids for item in items]
-    return averaging_contexts(builder.candidates_segment.token_ids, labels, fillers, appearances, seed)
+    return averaging_contexts(builder.candidates_segment.token_ids, labels, fillers, appearances, seed,
+                              label_after=template.label_after)
 
 
 def _calibration(args: argparse.Namespace, engine: BlendEngine, model: Path, builder: PromptBuilder, dataset: Any,

@@ -20,7 +20,7 @@ Row = dict[str, Any]
 SWEEP_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 SWEEP_METHODS = (
     "none", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic",
-    "boundary+structure", "deviation+structure", "tail+structure",
+    "boundary+structure", "deviation+structure", "tail+structure", "boundary+labels", "tail+labels",
     "deviation+segment", "tail+segment",
     "boundary+tail", "deviation+tail", "deviation+tail+structure",
     "none+ape", "tail+ape", "deviation+ape",

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_model(spec: str) -> Path | None:
     """'base' / 'finetuned' / a folder → a folder; ``None`` for a 'finetuned' that is not prepared."""
-    from kvshard_sidecar.adapter_merge import resolve_model as resolve
+    from kvshard.models import resolve_model as resolve
 
     try:
         return resolve(spec)
@@ -130,7 +130,7 @@ def meets_targets(row: Row) -> bool:
 def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
                    seed: int, progress: bool = True) -> Row:
     """Score every permutation of every request with full prefill; one summary row."""
-    from kvshard_sidecar.adapter_merge import model_prompt
+    from kvshard.models import model_prompt
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
     from kvshard_sidecar.model import load_model
 

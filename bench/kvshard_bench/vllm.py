@@ -36,11 +36,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvshard.datasets import Dataset, load_dataset
+from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_template, resolve_model
 from kvshard.processes import ManagedProcess
 from kvshard.prompts import PromptBuilder, RecommendationRequest, sample_requests
 from kvshard.segments import Prompt
 from kvshard.testing_servers import free_port
-from kvshard_sidecar.adapter_merge import MODEL_HELP, resolve_model
 from kvshard_sidecar.engine.blend import BlendEngine
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.engine.source import MemoryBlockSource
@@ -55,7 +55,7 @@ SERVED_NAME = "kvshard-bench"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="movielens-100k", help="built-in name or folder (default: %(default)s)")
     parser.add_argument("--model", default=None, metavar="base|finetuned|PATH",
-                        help=f"{MODEL_HELP} (default: base)")
+                        help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})")
     parser.add_argument("--users", type=int, default=6, help="users, two requests each (default: %(default)s)")
     parser.add_argument("--history", type=int, default=30, help="history items (default: %(default)s)")
     parser.add_argument("--candidates", type=int, default=20, help="candidates (default: %(default)s)")
@@ -96,8 +96,9 @@ def _median_ms(values: Sequence[float]) -> float:
 
 def run(args: argparse.Namespace) -> list[Row]:
     dataset = load_dataset(args.dataset)
-    loaded = load_model(resolve_model(args.model))
-    builder = PromptBuilder(loaded.tokenizer, dataset)
+    model = resolve_model(args.model)
+    loaded = load_model(model)
+    builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(model))
     firsts = sample_requests(dataset, args.users, args.history, args.candidates, seed=args.seed)
     pairs = [(builder.build(r).prompt, builder.build(other_candidates(r, dataset, args.seed + i)).prompt)
              for i, r in enumerate(firsts)]

@@ -54,6 +54,7 @@ from kvshard.local.kubeapi import CACHESHARDS, KubeApi, condition
 from kvshard.local.kubelet import Kubelet, PodProcess
 from kvshard.local.scaling import LocalAutoscaler, ScaleChange, local_rules, scale_pods
 from kvshard.local.settings import LocalClusterSettings
+from kvshard.models import model_prompt, prompt_for_model, resolve_model
 from kvshard.processes import ManagedProcess, ProcessStartError, http_ok
 from kvshard.testing_servers import EtcdServer, PrometheusServer, free_port
 
@@ -127,6 +128,8 @@ class LocalCluster:
         self._generated = self.settings.cacheshard is None
         self._manifest = manifests.load_cacheshard(self.settings.cacheshard)
         self._prompt = manifests.load_prompt(self.settings.prompt) if self.settings.prompt else None
+        if self._generated:  # the CacheShard it writes asks the model as it was trained (e.g. labelPosition)
+            self._prompt = prompt_for_model(self._prompt, model_prompt(resolve_model(self.settings.model)))[0] or None
         self.name = str(self._manifest["metadata"]["name"])
         self.pod_names = [f"engine-{i}" for i in range(self.settings.pods)]
         self._ports = {name: free_port() for name in ("kube", "operator_metrics", "operator_health", "router")}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvshard import settings as settings_lib
+from kvshard.models import DEFAULT_MODEL, MODEL_HELP
 from kvshard.paths import cache_dir
 from kvshard.settings import setting
 
@@ -34,8 +35,7 @@ class LocalClusterSettings:
                                   "'{text} by {author}', labelPosition before|after; default: the MovieLens prompt)")
     catalog_refresh_seconds: int = setting(10, "spec.catalog.refreshSeconds of the generated CacheShard: how often the "
                                            "operator re-reads a file catalog (the CRD allows 5 or more)")
-    model: str = setting("base", "model the sidecars serve: 'base' (SmolLM2-135M-Instruct), 'finetuned' (the "
-                         "recommender `kvshard model prepare` merges from a shipped adapter) or a model folder")
+    model: str = setting(DEFAULT_MODEL, f"model the sidecars serve: {MODEL_HELP}")
     namespace: str = setting("default", "namespace of the pods and the CacheShard")
     clusters_per_pod: int = setting(4, "item clusters per pod in the generated CacheShard")
     rebalance_interval_seconds: int = setting(15, "spec.rebalance.intervalSeconds of the generated CacheShard "

@@ -28,18 +28,16 @@ from typing import Any
 
 import torch
 
-from kvshard.paths import models_dir
+from kvshard.models import FINETUNED_NAME, IDENTITY_FILE, MERGE_RECORD
 from kvshard_sidecar.finetune_report import PROVENANCE_FILE, sha256_file
-from kvshard_sidecar.model import IDENTITY_FILE, read_identity, write_identity
+from kvshard_sidecar.model import read_identity, write_identity
 
 log = logging.getLogger(__name__)
 
 SHIPPED_ADAPTERS = Path(__file__).parent / "adapters"
 MOVIELENS_ADAPTER = SHIPPED_ADAPTERS / "movielens-rec"
-FINETUNED_NAME = "SmolLM2-135M-MovieLens-Rec"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-MERGE_RECORD = "kvshard-adapter.json"
 _PEFT_PREFIX = "base_model.model."
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
@@ -197,46 +195,6 @@ def trained_prompt(provenance: dict[str, Any]) -> dict[str, str]:
     (today the label position): the model must be asked that way."""
     position = (provenance.get("settings") or {}).get("label_position", "before")
     return {} if position == "before" else {"labelPosition": str(position)}
-
-
-def model_prompt(model: Path) -> dict[str, str]:
-    """The ``spec.prompt`` fields a merged model was trained with (``{}``: the default template, also
-    for the base model and for folders merged before this was recorded)."""
-    try:
-        record = json.loads((model / MERGE_RECORD).read_text())
-    except (OSError, ValueError):
-        return {}
-    prompt = record.get("prompt") if isinstance(record, dict) else None
-    return {str(k): str(v) for k, v in prompt.items()} if isinstance(prompt, dict) else {}
-
-
-def finetuned_model_path() -> Path:
-    """Where ``kvshard model prepare`` puts the merged fine-tuned model (inside the user cache folder)."""
-    return models_dir() / FINETUNED_NAME
-
-
-MODEL_HELP = ("'base' (SmolLM2-135M-Instruct), 'finetuned' (the recommender `kvshard model prepare` merges from a "
-              "shipped adapter) or a model folder")
-
-
-def resolve_model(spec: str | Path | None, default: str = "base") -> Path:
-    """A ``--model`` value as a folder: ``finetuned``, ``base`` or a path (``None``: ``default``).
-
-    Every component (sidecar, local cluster, demo, benchmarks) spells models the same way, so
-    switching them all to a recommender model is one word once an adapter ships.
-    """
-    from kvshard_sidecar.model import default_model_path
-
-    chosen = default if spec is None else spec
-    if chosen == "base":
-        return default_model_path()
-    if chosen == "finetuned":
-        path = finetuned_model_path()
-        if not (path / IDENTITY_FILE).exists():
-            raise FileNotFoundError(f"the fine-tuned recommender is not prepared at {path}: run `kvshard model "
-                                    "prepare` (it merges the shipped adapter), or choose --model base")
-        return path
-    return Path(chosen).expanduser()
 
 
 def is_current(target: Path, adapter_folder: Path) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvshard.datasets import load_dataset
+from kvshard.models import model_template
 from kvshard.paths import cache_dir
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
 from kvshard.segments import Prompt
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     store_dir: Path = args.store_dir or cache_dir() / "demo" / "blocks"
     store = BlockStore(memory_bytes=2 * GiB, disk_root=store_dir, disk_bytes=8 * GiB)
     engine = BlendEngine(loaded.model, loaded.identity, store, BlendSettings())
-    builder = PromptBuilder(loaded.tokenizer, dataset)
+    builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(loaded.path))
     requests = sample_requests(dataset, args.users, args.history, args.candidates, seed=args.seed)
     built = [builder.build(r) for r in requests]
 

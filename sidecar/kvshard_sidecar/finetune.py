@@ -87,11 +87,13 @@ class Example:
 
 
 def answer_logits(causal_lm: Any, input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token logits at the last position only, [batch, vocab]: the decoder's last hidden state
-    through ``lm_head`` (the head over every position would cost a 49,152-wide matmul per token)."""
-    hidden = causal_lm.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, -1]
-    logits: torch.Tensor = causal_lm.lm_head(hidden)
-    return logits
+    """Next-token logits at the last position only, [batch, vocab], in float32: the decoder's last hidden
+    state through ``lm_head`` (the head over every position would cost a 49,152-wide matmul per token).
+    A bfloat16 base runs under autocast, so its float32 LoRA adapters meet bfloat16 activations."""
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
+        hidden = causal_lm.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, -1]
+        logits: torch.Tensor = causal_lm.lm_head(hidden)
+    return logits.float()
 
 
 def label_loss(logits: torch.Tensor, label_ids: torch.Tensor, targets: torch.Tensor,
@@ -228,7 +230,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     torch.set_num_threads(settings.threads)
     out = settings.out or default_output()
     out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(settings.model or default_model_path(), dtype="float32")
+    loaded = load_model(settings.model or default_model_path(), dtype=settings.precision)
     base = {"name": loaded.identity.name, "revision": loaded.identity.revision,
             "tokenizer": loaded.identity.tokenizer}
     data = training_data(settings, loaded.tokenizer)

@@ -22,15 +22,13 @@ from typing import Any
 
 import torch
 
-from kvshard.paths import models_dir
+from kvshard.models import BASE_NAME, IDENTITY_FILE, base_model_path
 from kvshard.segments import ModelIdentity
 from kvshard_sidecar import device_memory
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-IDENTITY_FILE = "kvshard-identity.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +54,7 @@ class LoadedModel:
 
 def default_model_path() -> Path:
     """Where ``kvshard model prepare`` puts SmolLM2 (inside the user cache folder)."""
-    return models_dir() / SMOLLM2_NAME
+    return base_model_path()
 
 
 def find_smollm2_gguf() -> Path:
@@ -87,7 +85,7 @@ def prepare_smollm2(target: Path | None = None, force: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     staging.chmod(0o755)
-    steps = tqdm(total=4, desc=f"prepare {SMOLLM2_NAME}", unit="step")
+    steps = tqdm(total=4, desc=f"prepare {BASE_NAME}", unit="step")
     try:
         steps.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -104,7 +102,7 @@ def prepare_smollm2(target: Path | None = None, force: bool = False) -> Path:
         tokenizer.save_pretrained(staging)
         steps.update()
         steps.set_postfix_str("identity")
-        write_identity(staging, SMOLLM2_NAME)
+        write_identity(staging, BASE_NAME)
         steps.update()
         if target.exists():
             shutil.rmtree(target)
@@ -113,7 +111,7 @@ def prepare_smollm2(target: Path | None = None, force: bool = False) -> Path:
         steps.close()
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    log.info("prepared %s at %s", SMOLLM2_NAME, target)
+    log.info("prepared %s at %s", BASE_NAME, target)
     return target
 
 

@@ -27,12 +27,12 @@ from typing import Any, Literal
 from kvshard.blend_policy import BlendPolicy
 from kvshard.catalog_schema import Catalog
 from kvshard.datasets import Dataset, DatasetError, Item, load_dataset
+from kvshard.models import model_prompt, prompt_for_model, resolve_model
 from kvshard.prompt_template import PromptTemplate
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
 from kvshard.ranking import rank_candidates
 from kvshard.request_errors import RequestError
 from kvshard.segments import Prompt
-from kvshard_sidecar.adapter_merge import resolve_model
 from kvshard_sidecar.blockstore import BlockStore, encode_block
 from kvshard_sidecar.engine.methods import method_settings
 from kvshard_sidecar.engine.settings import BlendSettings
@@ -64,6 +64,8 @@ class SidecarService:
         self.store = BlockStore(settings.memory_bytes, settings.disk_root, settings.disk_bytes, fetcher)
         self.model_path = resolve_model(settings.model)
         self.model_name = self.model_path.name
+        # a fine-tuned model is asked as it was trained (its label position) unless a CacheShard says otherwise
+        self.trained_prompt = model_prompt(self.model_path)
         self.metrics = SidecarMetrics(self.model_name, self.store.stats, cacheshard=settings.cacheshard,
                                       pressure=PressureTracker(settings.max_concurrency, settings.ttft_target_seconds,
                                                                settings.pressure_window_seconds))
@@ -112,9 +114,11 @@ class SidecarService:
         loaded = load_model(self.model_path, dtype=self.settings.dtype, device=self.settings.device)
         self.model_name = loaded.identity.name
         self.metrics.model_name = self.model_name
-        self._builder = PromptBuilder(loaded.tokenizer, self._dataset)
+        template = PromptTemplate.from_spec(self.trained_prompt)
+        self._builder = PromptBuilder(loaded.tokenizer, self._dataset, template=template)
         self._identity = loaded.identity
-        self._engine = BlendEngine(loaded.model, loaded.identity, self.store, self.blend_defaults)
+        self._engine = BlendEngine(loaded.model, dataclasses.replace(loaded.identity, template=template.fingerprint),
+                                   self.store, self.blend_defaults)
         eos = loaded.tokenizer.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         self.limits = Limits(min(self.settings.max_candidates, self._builder.max_candidates),
@@ -142,7 +146,12 @@ class SidecarService:
         Block keys are recomputed only for items whose text or fields changed, unless the template
         changed: then every key changes (the template's fingerprint is part of the model identity).
         """
-        template = PromptTemplate.from_spec(prompt)
+        asked, conflicts = prompt_for_model(prompt, self.trained_prompt)
+        if conflicts:
+            log.warning("the CacheShard's spec.prompt sets %s other than %s was fine-tuned with (%s): its answers "
+                        "may be noise", ", ".join(conflicts), self.model_name,
+                        ", ".join(f"{k}={self.trained_prompt[k]}" for k in conflicts))
+        template = PromptTemplate.from_spec(asked)
         old_builder, old_keys = self.builder, self.item_block_keys
         items = catalog.items()
         dataset = Dataset(name=f"catalog-{version[:12]}", items=items)

@@ -17,6 +17,7 @@ from typing import Literal
 from kvshard import settings as settings_lib
 from kvshard.blend_policy import DEFAULT_METHOD, DEFAULT_RATIO, BlendPolicyError, check_method
 from kvshard.etcd_tls import EtcdTLS, files_problem
+from kvshard.models import DEFAULT_MODEL, MODEL_HELP
 from kvshard.paths import cache_dir
 from kvshard.settings import setting
 
@@ -32,8 +33,7 @@ class SidecarSettings:
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a pod)")
     port: int = setting(8100, "HTTP port of the sidecar API")
     pod_name: str = setting("", "this pod's name (placement assigns clusters to pod names); default: host:port")
-    model: str = setting("base", "model to serve: 'base' (the prepared SmolLM2-135M-Instruct), 'finetuned' (the "
-                         "MovieLens recommender `kvshard model prepare` merges) or a Hugging Face model folder")
+    model: str = setting(DEFAULT_MODEL, f"model to serve: {MODEL_HELP}")
     dtype: str = setting("float32", "model dtype", choices=("float32", "bfloat16", "float16"))
     device: str = setting("cpu", "torch device (cpu, cuda, cuda:1, …)")
     dataset: str = setting("movielens-100k", "item catalog when following no CacheShard: a built-in name, a folder "

@@ -48,6 +48,22 @@ def test_part_rows_name_the_prompts_pieces() -> None:
         part_rows(prompt, ["footer"])
 
 
+def test_part_rows_find_the_letter_of_a_label_after_its_item() -> None:
+    """``<item> [A]\n``: the letter is a label's second token, ``"]"`` and the newline its punctuation."""
+    generator = torch.Generator().manual_seed(2)
+    kinds = [SegmentKind.SYSTEM, SegmentKind.HISTORY, SegmentKind.FREE]
+    kinds += [SegmentKind.ITEM, SegmentKind.FREE] * 3 + [SegmentKind.INSTRUCTION]
+    sizes = (6, 9, 3, 5, 4, 7, 4, 6, 4, 4)
+    prompt = Prompt.of(Segment(kind, tuple(torch.randint(3, 97, (n,), generator=generator).tolist()))
+                       for kind, n in zip(kinds, sizes, strict=True))
+    spans = prompt.spans
+    letters = torch.nonzero(part_rows(prompt, ["label_letter"])).reshape(-1).tolist()
+    assert letters == [spans[i].start + 1 for i in (4, 6, 8)]
+    dots = torch.nonzero(part_rows(prompt, ["label_dot"])).reshape(-1).tolist()
+    assert dots == [row for i in (4, 6, 8) for row in (spans[i].start + 2, spans[i].start + 3)]
+    assert torch.equal(part_rows(prompt, ["labels"]), part_rows(prompt, ["label_letter", "label_dot", "label_space"]))
+
+
 def test_every_oracle_row_exact_is_full_prefill_and_none_is_not(engine: BlendEngine) -> None:
     prompt = list_prompt()
     full = engine.full(prompt)

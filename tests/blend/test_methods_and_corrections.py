@@ -169,6 +169,24 @@ def test_structure_never_recomputes_a_label_without_its_item_and_starts_with_the
                 assert (label_rows <= chosen) == item_fresh and (not (label_rows & chosen) or item_fresh)
 
 
+def test_labels_first_spends_the_budget_on_every_label_before_anything_else(engine: BlendEngine) -> None:
+    prompt = list_prompt()  # system, history, header, then label/item three times, instruction
+    spans = prompt.spans
+    labels = [set(range(spans[i].start, spans[i].end)) for i in (3, 5, 7)]
+    for selector in ("boundary", "deviation", "tail"):
+        for ratio in (0.1, 0.3, 0.6):
+            result = engine.blend(prompt, BlendSettings(selector=selector, ratio=ratio, labels_first=True))  # type: ignore[arg-type]
+            layout = layout_of(prompt, result.exact_prefix_tokens)
+            budget = keep_count(ratio, layout.num_candidates)
+            chosen = set(result.selected.tolist()) - set(range(spans[-1].start, spans[-1].end))
+            label_rows = sorted(set().union(*labels), reverse=True)
+            assert len(chosen) <= budget
+            # the labels closest to the question first; only when every label fits does anything else get picked
+            assert set(label_rows[:budget]) <= chosen
+            assert chosen <= set(label_rows) or set(label_rows) <= chosen
+    assert method_settings("tail+labels", 0.2).labels_first and not method_settings("tail", 0.2).labels_first
+
+
 def test_segment_granularity_recomputes_whole_units_only(engine: BlendEngine) -> None:
     prompt = list_prompt()
     for selector in ("boundary", "deviation", "tail"):

@@ -42,6 +42,15 @@ def test_averaging_contexts_are_seeded_in_list_texts() -> None:
         averaging_contexts(HEADER, LABELS, FILLERS[:5], appearances=3, seed=0)
 
 
+def test_with_labels_after_items_each_neighbour_precedes_its_label_and_the_item_follows_the_last() -> None:
+    after = averaging_contexts(HEADER, LABELS, FILLERS, appearances=3, seed=0, label_after=True)
+    for a, context in enumerate(after):  # header, then a + 1 times (filler, its label); no label of the item's own
+        assert context[:2] == HEADER and context[-1] == LABELS[a][0]
+        assert len(context) == 2 + (a + 1) * 4
+        assert [context[i + 3] for i in range(2, len(context), 4)] == [label[0] for label in LABELS[:a + 1]]
+    assert {context[i:i + 3] for context in after for i in range(2, len(context), 4)} <= set(FILLERS)
+
+
 def test_averaged_mode_needs_its_contexts_and_only_it_uses_them() -> None:
     with pytest.raises(SettingsError, match="averaged_contexts"):
         BlendSettings(prefill_context="averaged").validate()
@@ -187,6 +196,20 @@ def test_benchmark_contexts_are_the_prompts_own_header_labels_and_catalog_items(
         assert len(context) > len(header) + 2 * (a + 1)
     assert contexts[0][-len(label_b):] == label_b  # the first appearance puts the item behind "B. "
     assert tokenizer.decode(list(contexts[0])).startswith("\nCandidates:\nA. ")
+
+
+def test_with_labels_after_items_benchmark_contexts_end_on_a_label_and_neutral_text_on_the_header(
+        smollm2: object, movielens: object) -> None:
+    from kvshard.prompts import PromptBuilder, PromptTemplate
+    from kvshard_bench.fidelity import in_list_contexts, neutral_text
+
+    tokenizer = smollm2.tokenizer  # type: ignore[attr-defined]
+    template = PromptTemplate(label_position="after")
+    builder = PromptBuilder(tokenizer, movielens, template=template)  # type: ignore[arg-type]
+    first = tokenizer.decode(list(in_list_contexts(builder, tokenizer, 2, seed=0)[0]))
+    assert first.startswith("\nCandidates:\n") and first.endswith(" [A]\n") and "[B]" not in first
+    assert neutral_text(template, None) == "\nCandidates:\n"
+    assert neutral_text(PromptTemplate(), None) == "\nCandidates:\nA. " and neutral_text(template, "x") == "x"
 
 
 def test_an_engine_that_defaults_to_averaged_blocks_still_measures_prefix_reuse() -> None:

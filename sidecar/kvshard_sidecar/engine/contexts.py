@@ -118,14 +118,16 @@ def average_blocks(per_appearance: Sequence[Sequence[KVBlock]]) -> list[KVBlock]
 
 
 def averaging_contexts(header: Sequence[int], labels: Sequence[Sequence[int]], fillers: Sequence[Sequence[int]],
-                       appearances: int, seed: int) -> tuple[tuple[int, ...], ...]:
+                       appearances: int, seed: int, label_after: bool = False) -> tuple[tuple[int, ...], ...]:
     """Seeded in-list contexts for averaged item blocks, as token ids (one tuple per appearance).
 
     Appearance ``a`` is ``header + label₀ + filler + label₁ + filler + … + label_{a+1}``: the list
     header, ``a + 1`` other items drawn without replacement from ``fillers`` (seeded), each behind
     its label, and the label the averaged item then sits behind — so the item is seen at different
-    list positions, behind different neighbours and labels. Segments are joined as token ids, exactly
-    as a prompt joins them. The same arguments always give the same contexts.
+    list positions, behind different neighbours and labels. With ``label_after`` (``labelPosition:
+    after``, ``<item> [A]``) each neighbour comes before its label and the averaged item directly follows
+    the last label: ``header + filler + label₀ + … + filler + label_a``. Segments are joined as token
+    ids, exactly as a prompt joins them. The same arguments always give the same contexts.
     """
     if appearances < 1:
         raise ValueError(f"appearances must be >= 1, got {appearances}")
@@ -139,7 +141,9 @@ def averaging_contexts(header: Sequence[int], labels: Sequence[Sequence[int]], f
     for a in range(appearances):
         ids = list(header)
         for slot in range(a + 1):
-            ids += [*labels[slot], *fillers[drawn.pop()]]
-        ids += labels[a + 1]
+            filler = fillers[drawn.pop()]
+            ids += [*filler, *labels[slot]] if label_after else [*labels[slot], *filler]
+        if not label_after:
+            ids += labels[a + 1]
         contexts.append(tuple(ids))
     return tuple(contexts)

@@ -10,6 +10,9 @@ deviation at the check layer) is reshaped before its budget is spent:
   from the first blendable row (0) to the last (1): the rows just before the question win ties;
 * **structure-aware** — the list header first (behind an exact prefix its fresh KV *is* exact), and a
   label recomputed exactly when some of its item is, so a label and its item are never mixed;
+* **labels first** — every candidate's label before anything else (closest to the question first),
+  then the selector's picks: with the label after its item a fine-tuned model's answer is read from
+  the label rows, and only fresh ones have seen their item (``--attribution`` on that model);
 * **segment-granular** — the budget goes to whole units (label + item, the header, the history) in
   order of their mean priority; a unit that does not fit is skipped, so none is half fresh.
 
@@ -65,6 +68,11 @@ class Picker:
         positions = positions.cpu()
         pinned = pinned.cpu()
         priority = self.priority(scores.detach().cpu(), positions)
+        if self.settings.labels_first:  # labels are spent first, then held like pinned rows
+            labels = self._labels(keep, pinned, positions)
+            keep -= len(labels)
+            pinned = pinned.clone()
+            pinned[labels] = True
         if self.settings.granularity == "segment":
             picked = self._segments(priority, keep, pinned, positions)
         elif self.settings.structure:
@@ -79,6 +87,12 @@ class Picker:
         if w <= 0:
             return scores.double()
         return (1 - w) * rank01(scores) + w * closeness(positions, self.layout)
+
+    def _labels(self, keep: int, pinned: torch.Tensor, positions: torch.Tensor) -> list[int]:
+        """The not-pinned label rows, the last (closest to the question) first, at most ``keep``."""
+        _, roles = self._units(positions)
+        labels = [i for i in range(len(roles)) if roles[i] == ROLE_LABEL and not bool(pinned[i])]
+        return sorted(labels, key=lambda i: -int(positions[i]))[:max(0, keep)]
 
     def _units(self, positions: torch.Tensor) -> tuple[list[int], list[int]]:
         assert self.layout.units is not None and self.layout.roles is not None

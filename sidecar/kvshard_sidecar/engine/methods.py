@@ -24,10 +24,10 @@ from kvshard_sidecar.engine.settings import BlendSettings
 
 METHODS = ("none", "full", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic")
 BASELINES = ("cacheblend", "epic")
-CORRECTIONS = ("tail", "structure", "segment", "ape")
+CORRECTIONS = ("tail", "structure", "labels", "segment", "ape")
 TAIL_WEIGHT = 0.5
-_PLAIN = {"tail_weight": 0.0, "structure": False, "granularity": "token", "attention_temperature": 1.0,
-          "attention_scale": 1.0, "recompute_free": False}
+_PLAIN = {"tail_weight": 0.0, "structure": False, "labels_first": False, "granularity": "token",
+          "attention_temperature": 1.0, "attention_scale": 1.0, "recompute_free": False}
 
 
 def method_settings(spec: str, ratio: float, base: BlendSettings | None = None,
@@ -45,6 +45,8 @@ def method_settings(spec: str, ratio: float, base: BlendSettings | None = None,
             changes["tail_weight"] = TAIL_WEIGHT
         elif correction == "structure":
             changes["structure"] = True
+        elif correction == "labels":
+            changes["labels_first"] = True
         elif correction == "segment":
             changes["granularity"] = "segment"
         else:

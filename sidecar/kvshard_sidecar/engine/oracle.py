@@ -8,7 +8,9 @@ the tests name the same rows.
 
 Label tokens are split by their offset inside the label (``"A. "`` is the letter, ``"."`` and
 ``" "`` on SmolLM2's tokenizer), because FINDINGS.md found the ``"."`` and ``" "`` rows the most
-deviated and the ones whose freshness hurts.
+deviated and the ones whose freshness hurts. A label after its item (``" [A]\n"``: ``" ["``, the
+letter, ``"]"``, ``"\n"``) maps the same way: its letter, the punctuation after the letter
+(``label_dot``: ``"]"`` and the newline) and what comes before it (``label_space``: ``" ["``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ PARTS = ("system", "history", "header", "labels", "label_letter", "label_dot", "
 _KIND_PARTS = {"system": SegmentKind.SYSTEM, "history": SegmentKind.HISTORY, "items": SegmentKind.ITEM,
                "instruction": SegmentKind.INSTRUCTION}
 _LABEL_OFFSETS = {"label_letter": (0, 1), "label_dot": (1, 2), "label_space": (2, 1 << 30)}
+_LABEL_AFTER_OFFSETS = {"label_letter": (1, 2), "label_dot": (2, 1 << 30), "label_space": (0, 1)}
 
 
 def part_rows(prompt: Prompt, parts: Iterable[str]) -> torch.Tensor:
@@ -36,7 +39,8 @@ def part_rows(prompt: Prompt, parts: Iterable[str]) -> torch.Tensor:
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     rows = torch.zeros(len(prompt), dtype=torch.bool)
-    _, roles = segment_units([s.kind.value for s in prompt.segments])
+    units, roles = segment_units([s.kind.value for s in prompt.segments])
+    offsets = _LABEL_AFTER_OFFSETS if any(unit < index for index, unit in enumerate(units)) else _LABEL_OFFSETS
     for span, role in zip(prompt.spans, roles, strict=True):
         kind = span.segment.kind
         if any(kind is _KIND_PARTS[p] for p in wanted if p in _KIND_PARTS):
@@ -46,7 +50,7 @@ def part_rows(prompt: Prompt, parts: Iterable[str]) -> torch.Tensor:
         if role == ROLE_LABEL:
             if "labels" in wanted:
                 rows[span.start:span.end] = True
-            for name, (lo, hi) in _LABEL_OFFSETS.items():
+            for name, (lo, hi) in offsets.items():
                 if name in wanted:
                     rows[span.start + lo:min(span.end, span.start + hi)] = True
     return rows

@@ -74,6 +74,12 @@ class BlendSettings:
         structure: structure-aware picking: the ``Candidates:`` header is recomputed first, and a
             label is recomputed exactly when some of its item is (never alone, never stale beside a
             fresh item), all inside the ratio's budget.
+        labels_first: every candidate's label rows are recomputed before the selector's own picks
+            (the ones closest to the question first when not all fit), the rest of the budget by
+            priority. With the label after its item (``<item> [A]``) a fine-tuned recommender points
+            at a candidate through its label tokens, which read the item: stale, they were computed
+            without it, and no other row can stand in (``--attribution``: exact labels alone give full
+            prefill's answer).
         granularity: ``token`` picks tokens; ``segment`` spends the budget on whole label+item units
             (and the header, the history) in order of their mean priority, so no block is left half
             fresh and half stale.
@@ -109,6 +115,7 @@ class BlendSettings:
     epic_k: int | None = None
     tail_weight: float = 0.0
     structure: bool = False
+    labels_first: bool = False
     granularity: Granularity = "token"
     attention_temperature: float = 1.0
     attention_scale: float = 1.0
@@ -136,8 +143,8 @@ class BlendSettings:
 
     @property
     def corrects_picks(self) -> bool:
-        """Whether a pick correction (tail weighting, structure, segment granularity) is on."""
-        return self.tail_weight > 0 or self.structure or self.granularity == "segment"
+        """Whether a pick correction (tail weighting, structure, labels first, segment granularity) is on."""
+        return self.tail_weight > 0 or self.structure or self.labels_first or self.granularity == "segment"
 
     @property
     def calibrates_attention(self) -> bool:

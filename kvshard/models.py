@@ -1,0 +1,86 @@
+"""Which model a component serves, named the same way everywhere, and how that model must be asked.
+
+Every component (sidecar, local cluster, demo, benchmarks) takes ``--model base|finetuned|PATH``.
+``finetuned`` — the recommender ``kvshard model prepare`` merges from the adapter the repository
+ships — is the default: the base SmolLM2 answers "A" whatever the items (issue 20), so fidelity and
+hit ratios measured on it say little. The base stays one word away.
+
+A fine-tuned model also fixes part of its prompt: it was trained with one label position, and asked
+another way its ranking is noise. The merge writes those fields into ``kvshard-adapter.json``;
+:func:`model_prompt` reads them, so the local cluster writes them into the CacheShard it generates
+and a sidecar fills them into a CacheShard that leaves them unset. This module is pure file reading
+(no torch), so the core, the local cluster and the sidecar share it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from kvshard.paths import models_dir
+from kvshard.prompt_template import PromptTemplate
+
+BASE_NAME = "SmolLM2-135M-Instruct"
+FINETUNED_NAME = "SmolLM2-135M-MovieLens-Rec"
+DEFAULT_MODEL = "finetuned"
+IDENTITY_FILE = "kvshard-identity.json"
+MERGE_RECORD = "kvshard-adapter.json"
+MODEL_HELP = ("'finetuned' (the MovieLens recommender `kvshard model prepare` merges from the shipped adapter), "
+              "'base' (SmolLM2-135M-Instruct) or a model folder")
+
+
+def base_model_path() -> Path:
+    """Where ``kvshard model prepare`` puts SmolLM2 (inside the user cache folder)."""
+    return models_dir() / BASE_NAME
+
+
+def finetuned_model_path() -> Path:
+    """Where ``kvshard model prepare`` puts the merged fine-tuned model (inside the user cache folder)."""
+    return models_dir() / FINETUNED_NAME
+
+
+def resolve_model(spec: str | Path | None, default: str = DEFAULT_MODEL) -> Path:
+    """A ``--model`` value as a folder: ``finetuned``, ``base`` or a path (``None``: ``default``)."""
+    chosen = default if spec is None else spec
+    if chosen == "base":
+        return base_model_path()
+    if chosen == "finetuned":
+        path = finetuned_model_path()
+        if not (path / IDENTITY_FILE).exists():
+            raise FileNotFoundError(f"the fine-tuned recommender is not prepared at {path}: run `kvshard model "
+                                    "prepare` (it merges the shipped adapter), or choose --model base")
+        return path
+    return Path(chosen).expanduser()
+
+
+def model_prompt(model: Path) -> dict[str, str]:
+    """The ``spec.prompt`` fields a merged model was trained with (``{}``: the default template, also
+    for the base model and for folders merged before this was recorded)."""
+    try:
+        record = json.loads((model / MERGE_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    prompt = record.get("prompt") if isinstance(record, dict) else None
+    return {str(k): str(v) for k, v in prompt.items()} if isinstance(prompt, dict) else {}
+
+
+def prompt_for_model(spec_prompt: Mapping[str, str] | None, trained: Mapping[str, str]) -> tuple[dict[str, str],
+                                                                                               list[str]]:
+    """``spec.prompt`` with the fields the model was trained with filled in where the CacheShard leaves
+    them unset, and the names of fields the CacheShard sets to something else (the caller warns: an
+    explicit choice is kept, but the model was not trained to be asked that way)."""
+    merged = dict(spec_prompt or {})
+    conflicts: list[str] = []
+    for name, value in trained.items():
+        if name not in merged:
+            merged[name] = value
+        elif merged[name] != value:
+            conflicts.append(name)
+    return merged, conflicts
+
+
+def model_template(model: Path) -> PromptTemplate:
+    """The prompt template to ask ``model`` with when no CacheShard says: the default, with the fields the
+    model was fine-tuned with."""
+    return PromptTemplate.from_spec(model_prompt(model))
