@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sidecar_process import PEER_TOKEN, Sidecar, SidecarFactory
 
+from kvshard.models import FINETUNED_NAME
 from kvshard_sidecar.blockstore import decode_block
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
@@ -28,7 +29,7 @@ def sidecar(start_sidecar: SidecarFactory) -> Sidecar:
 def test_health_and_readiness(sidecar: Sidecar) -> None:
     assert sidecar.json("GET", "/healthz") == (200, {"status": "ok"})
     status, body = sidecar.json("GET", "/readyz")
-    assert status == 200 and body["model"] == "SmolLM2-135M-Instruct"
+    assert status == 200 and body["model"] == FINETUNED_NAME  # the default model: the fine-tuned recommender
 
 
 def test_recommend_ranks_every_candidate_and_names_the_best(sidecar: Sidecar) -> None:
@@ -160,7 +161,7 @@ def test_metrics_use_the_design_names(sidecar: Sidecar) -> None:
     for name in ("kvshard_sidecar_query_tokens_total", "kvshard_sidecar_hit_tokens_total",
                  "kvshard_sidecar_ttft_seconds_bucket", "kvshard_sidecar_recompute_ratio_bucket",
                  "kvshard_sidecar_cache_bytes", "kvshard_sidecar_cache_events_total"):
-        assert re.search(rf"^{name}\{{[^}}]*model_name=\"SmolLM2-135M-Instruct\"", text, re.M), name
+        assert re.search(rf"^{name}\{{[^}}]*model_name=\"{FINETUNED_NAME}\"", text, re.M), name
     assert 'tier="memory"' in text and 'kind="item"' in text
     # static config: no CacheShard, so an empty `cacheshard` (which Prometheus stores as no label)
     assert cacheshard_labels(text) == {""}
