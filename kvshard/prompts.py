@@ -153,7 +153,9 @@ class PromptBuilder:
         self.candidates_segment = self._segment(SegmentKind.FREE, template.candidates_header)
         self.instruction_segment = self._segment(SegmentKind.INSTRUCTION, question + chat_suffix)
         self.labels, self.label_token_ids = self._single_token_labels()
-        self._label_segments = [self._segment(SegmentKind.FREE, template.label_text(label)) for label in self.labels]
+        self.label_segments = tuple(self._segment(SegmentKind.FREE, template.label_text(label))
+                                    for label in self.labels)
+        """Each label's own segment (``"A. "`` or ``" [A]\n"``), tokenized once."""
         self._item_segments: dict[str, Segment] = {}
 
     @property
@@ -210,7 +212,7 @@ class PromptBuilder:
         if request.history:
             segments.append(self.history_segment(request.history, inline))
         segments.append(self.candidates_segment)
-        for label_segment, item_id in zip(self._label_segments, request.candidates, strict=False):
+        for label_segment, item_id in zip(self.label_segments, request.candidates, strict=False):
             item_segment = self.item_segment(item_id, inline)
             segments += [item_segment, label_segment] if self.template.label_after else [label_segment, item_segment]
         segments.append(self.instruction_segment)

@@ -243,12 +243,11 @@ def in_list_contexts(builder: PromptBuilder, tokenizer: Any, appearances: int, s
                      ) -> tuple[tuple[int, ...], ...]:
     """Seeded in-list contexts for ``averaged`` item blocks from the catalog: the prompt's own list
     header and labels, other catalog items as the neighbours (tokenized as the prompt tokenizes them)."""
-    template = builder.template
-    labels = [tuple(tokenizer.encode(template.label_text(label), add_special_tokens=False)) for label in builder.labels]
+    labels = [segment.token_ids for segment in builder.label_segments]
     items = sorted(builder.dataset.items)
     fillers = [builder.item_segment(item).token_ids for item in items]
     return averaging_contexts(builder.candidates_segment.token_ids, labels, fillers, appearances, seed,
-                              label_after=template.label_after)
+                              label_after=builder.template.label_after)
 
 
 def _calibration(args: argparse.Namespace, engine: BlendEngine, model: Path, builder: PromptBuilder, dataset: Any,

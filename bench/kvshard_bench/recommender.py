@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from kvshard.datasets import Dataset, load_dataset
-from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationRequest, sample_requests
+from kvshard.prompts import PromptBuilder, RecommendationRequest, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, quality, random_quality
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
 from kvshard_bench.tables import format_cells
@@ -130,15 +130,14 @@ def meets_targets(row: Row) -> bool:
 def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
                    seed: int, progress: bool = True) -> Row:
     """Score every permutation of every request with full prefill; one summary row."""
-    from kvshard.models import model_prompt
+    from kvshard.models import model_template
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
     from kvshard_sidecar.model import load_model
 
     loaded = load_model(path)
     engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
     # each model is asked as it was trained (a merged adapter records its template's label position)
-    template = PromptTemplate.from_spec(model_prompt(path))
-    builder = PromptBuilder(loaded.tokenizer, dataset, template=template)
+    builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(path))
     choices: list[list[tuple[str, str]]] = []
     metrics: list[list[dict[str, float]]] = []
     tokens: list[int] = []
@@ -160,7 +159,7 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
             bar.update()
     bar.close()
     row: Row = {"model": loaded.identity.name, "revision": loaded.identity.revision, "path": str(path),
-                "label_position": template.label_position}
+                "label_position": builder.template.label_position}
     row.update(summarize(choices, metrics, seed))
     row["tokens"] = round(statistics.fmean(tokens)) if tokens else 0
     return row
