@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvshard.datasets import Dataset, Item
@@ -84,6 +84,17 @@ class RecommendationPrompt:
 
     def candidate_for_label(self, label: str) -> str | None:
         return self.request.candidates[self.labels.index(label)] if label in self.labels else None
+
+
+def candidate_orders(request: RecommendationRequest, count: int, rng: random.Random) -> list[RecommendationRequest]:
+    """``request`` and ``count - 1`` reshuffles of its candidates drawn from ``rng`` (the same request
+    under other candidate orders: position consistency is measured, and trained, on them)."""
+    orders = [request]
+    for _ in range(count - 1):
+        shuffled = list(request.candidates)
+        rng.shuffle(shuffled)
+        orders.append(replace(request, candidates=tuple(shuffled)))
+    return orders
 
 
 def sample_requests(

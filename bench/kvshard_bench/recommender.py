@@ -27,7 +27,6 @@ import random
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from kvshard.datasets import Dataset, load_dataset
-from kvshard.prompts import PromptBuilder, RecommendationRequest, sample_requests
+from kvshard.prompts import PromptBuilder, RecommendationRequest, candidate_orders, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, quality, random_quality
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
 from kvshard_bench.tables import format_cells
@@ -82,15 +81,7 @@ def resolve_model(spec: str) -> Path | None:
 def permutations(requests: Sequence[RecommendationRequest], count: int, seed: int) -> list[list[RecommendationRequest]]:
     """Per request: itself, then ``count - 1`` seeded reorderings of its candidates."""
     rng = random.Random(f"{seed}-permutations")
-    out = []
-    for request in requests:
-        orders = [request]
-        for _ in range(count - 1):
-            shuffled = list(request.candidates)
-            rng.shuffle(shuffled)
-            orders.append(replace(request, candidates=tuple(shuffled)))
-        out.append(orders)
-    return out
+    return [candidate_orders(request, count, rng) for request in requests]
 
 
 def bootstrap_ci(values: Sequence[float], seed: int, samples: int = BOOTSTRAP_SAMPLES) -> tuple[float, float]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
 
-from kvshard.prompts import PromptBuilder, PromptTemplate, sample_requests
+from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationRequest, candidate_orders, sample_requests
 from kvshard.segments import SegmentKind
 
 pytestmark = pytest.mark.model
@@ -99,3 +100,12 @@ def test_with_the_label_after_its_item_each_candidate_line_ends_with_its_label(
     assert built.labels == builder.build(request).labels  # the same letters answer in both positions
     for segment in segments:
         assert list(segment.token_ids) == after.tokenizer.encode(segment.text, add_special_tokens=False)
+
+
+def test_candidate_orders_reshuffle_the_same_candidates_reproducibly() -> None:
+    request = RecommendationRequest("u", ("h",), tuple(f"c{i}" for i in range(8)), target="c3")
+    orders = candidate_orders(request, 3, random.Random(7))
+    assert orders[0] == request and len(orders) == 3
+    assert all(sorted(o.candidates) == sorted(request.candidates) and o.target == "c3" for o in orders)
+    assert len({o.candidates for o in orders}) == 3  # 8! orders: three draws differ
+    assert candidate_orders(request, 3, random.Random(7)) == orders

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvshard_sidecar.finetune import answer_logits, label_loss, lr_factor
+from kvshard_sidecar.finetune import answer_logits, label_loss, lr_factor, order_disagreement
 
 VOCAB = 97
 LABELS = torch.tensor([11, 3, 40, 7])
@@ -69,3 +69,31 @@ def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
 def test_a_spent_time_budget_anneals_the_learning_rate_early() -> None:
     assert lr_factor(10, warmup=5, total=1000, time_used=1.0) == pytest.approx(0.1)
     assert lr_factor(10, warmup=5, total=1000, time_used=0.5) == pytest.approx(0.55)
+
+
+# the second order puts order 0's candidates (at positions 0..3) at positions 2, 0, 3, 1
+ALIGNMENT = torch.tensor([[0, 1, 2, 3], [2, 0, 3, 1]])
+
+
+def _two_orders(item_scores: list[float], second: list[float] | None = None) -> torch.Tensor:
+    """Answer logits of two orders that score order 0's items ``item_scores`` (and ``second`` in order 1)."""
+    logits = torch.randn(2, VOCAB)
+    logits[0, LABELS] = torch.tensor(item_scores)
+    logits[1, LABELS[ALIGNMENT[1]]] = torch.tensor(second if second is not None else item_scores)
+    return logits
+
+
+def test_two_orders_that_rank_the_items_alike_do_not_disagree() -> None:
+    logits = _two_orders([2.0, -1.0, 0.5, 0.0])
+    assert float(order_disagreement(logits, LABELS, ALIGNMENT)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_position_bias_is_a_disagreement_and_its_gradient_reaches_both_orders() -> None:
+    # the model favours the first place whatever stands there: item 0 in order 0, item 1 in order 1
+    logits = _two_orders([3.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0]).requires_grad_()
+    disagreement = order_disagreement(logits, LABELS, ALIGNMENT)
+    assert float(disagreement) > 1.0
+    disagreement.backward()
+    assert logits.grad is not None
+    assert set(logits.grad.abs().sum(0).nonzero().flatten().tolist()) == set(LABELS.tolist())
+    assert float(logits.grad[0].abs().sum()) > 0 and float(logits.grad[1].abs().sum()) > 0

@@ -43,7 +43,9 @@ def test_provenance_records_command_seed_split_and_base_hash(tiny_adapter: Path)
     assert record["steps"] == 2 and record["examples"] == 2 and record["seed"] == 0
     assert record["split"]["heldout_users"] > 0 and "last interaction" in record["split"]["never_used"]
     assert record["command"].startswith("kvshard model finetune ") and "--candidates 4" in record["command"]
-    assert "hr1" in record["evaluation"]["validation"]
+    validation = record["evaluation"]["validation"]
+    assert "hr1" in validation and 0.0 <= validation["position_consistency"] <= 1.0  # two orders per prompt
+    assert record["settings"]["consistency"] == 1.0 and "--consistency 1.0" in record["command"]
     assert record["teacher"]["kind"] == "item-knn" and 0.0 <= record["teacher"]["validation"]["hr1"] <= 1.0
 
 
@@ -69,3 +71,22 @@ def test_a_rank_above_16_is_refused() -> None:
 
     with pytest.raises(SettingsError, match="rank"):
         FinetuneSettings(rank=32).validate()
+
+
+@pytest.mark.model
+def test_an_example_aligns_each_order_with_the_first() -> None:
+    from transformers import AutoTokenizer
+
+    from kvshard.datasets import load_dataset
+    from kvshard.prompts import PromptBuilder, RecommendationRequest
+    from kvshard_sidecar.finetune import Example
+
+    dataset = load_dataset("movielens-100k")
+    builder = PromptBuilder(AutoTokenizer.from_pretrained(default_model_path()), dataset)
+    first = RecommendationRequest("1", ("1", "2"), ("10", "20", "30"), target="20")
+    second = RecommendationRequest("1", ("1", "2"), ("30", "10", "20"), target="20")
+    example = Example.of(builder.build(first), builder.build(second))
+    assert example.orders == 2 and example.targets.tolist() == [1, 2]
+    assert example.alignment.tolist() == [[0, 1, 2], [1, 2, 0]]  # "10" stands second in order 1, ...
+    with pytest.raises(ValueError, match="target"):
+        Example.of(builder.build(RecommendationRequest("1", ("1",), ("10", "20"), target="99")))
