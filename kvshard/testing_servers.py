@@ -51,9 +51,20 @@ class ServerStartError(RuntimeError):
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that nothing listens on right now."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that nothing listens on right now. Each socket stays bound until all
+    are chosen: two ``free_port()`` calls in a row may get the same port back from the kernel (seen: an
+    etcd given one port for both its client and its peer listener failed to start)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)))
+            s.bind((host, 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 def _binary(name: str, variable: str, missing: type[FileNotFoundError], package: str) -> str:
@@ -141,8 +152,7 @@ class EtcdServer(_LocalServer):
     def __init__(self, *, data_dir: Path | None = None, start_timeout: float = 20.0, tls: bool = True) -> None:
         self.binary = etcd_binary()
         self.host = "127.0.0.1"
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port, self.peer_port = free_ports(2)
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="kvshard-etcd-"))
         self.start_timeout = start_timeout

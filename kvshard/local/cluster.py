@@ -56,7 +56,7 @@ from kvshard.local.scaling import LocalAutoscaler, ScaleChange, local_rules, sca
 from kvshard.local.settings import LocalClusterSettings
 from kvshard.models import model_prompt, prompt_for_model, resolve_model
 from kvshard.processes import ManagedProcess, ProcessStartError, http_ok
-from kvshard.testing_servers import EtcdServer, PrometheusServer, free_port
+from kvshard.testing_servers import EtcdServer, PrometheusServer, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +132,13 @@ class LocalCluster:
             self._prompt = prompt_for_model(self._prompt, model_prompt(resolve_model(self.settings.model)))[0] or None
         self.name = str(self._manifest["metadata"]["name"])
         self.pod_names = [f"engine-{i}" for i in range(self.settings.pods)]
-        self._ports = {name: free_port() for name in ("kube", "operator_metrics", "operator_health", "router")}
+        roles = ("kube", "operator_metrics", "operator_health", "router", *self.pod_names)
+        self._ports = dict(zip(roles, free_ports(len(roles)), strict=True))  # distinct: one call holds them all
         self.kube_url = f"http://{HOST}:{self._ports['kube']}"
         self.operator_metrics_url = f"http://{HOST}:{self._ports['operator_metrics']}/metrics"
         self.operator_health_url = f"http://{HOST}:{self._ports['operator_health']}/healthz"
         self.router_url = f"http://{HOST}:{self._ports['router']}"
-        self.sidecar_urls = {pod: f"http://{HOST}:{free_port()}" for pod in self.pod_names}
+        self.sidecar_urls = {pod: f"http://{HOST}:{self._ports[pod]}" for pod in self.pod_names}
         self.prometheus_url = ""
         self.etcd_endpoint = ""
         self.etcd_tls: EtcdTLS | None = None
@@ -399,8 +400,9 @@ class LocalCluster:
         ports, e.g. to race two replicas; :meth:`stop_operator` stops it, :meth:`stop` too."""
         if name in self._processes:
             raise ValueError(f"a process named {name!r} already runs")
-        health_url = f"http://{HOST}:{free_port()}/healthz"
-        command = _cli("operator", "run", "--metrics-port", str(free_port()), "--liveness-endpoint", health_url)
+        health_port, metrics_port = free_ports(2)
+        health_url = f"http://{HOST}:{health_port}/healthz"
+        command = _cli("operator", "run", "--metrics-port", str(metrics_port), "--liveness-endpoint", health_url)
         return self._spawn(name, command, ready_url=health_url, env=self._operator_env(), timeout=120)
 
     def stop_operator(self, name: str) -> None:

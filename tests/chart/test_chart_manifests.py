@@ -180,7 +180,8 @@ def test_kind_values_run_on_cpu_with_the_baked_in_model(rendered: dict[str, list
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {}), c["name"]
     assert [c["name"] for c in containers(pod)] == ["vllm", "sidecar"], "no model download on kind"
     vllm = container(pod, "vllm")
-    assert vllm["args"][0] == "/opt/kvshard/models/SmolLM2-135M-Instruct"
+    assert vllm["args"][0] == "/opt/kvshard/models/SmolLM2-135M-MovieLens-Rec"  # merged into the image beside the base
+    assert "--served-model-name=SmolLM2-135M-MovieLens-Rec" in vllm["args"]
     assert {"--dtype=float32", "--enforce-eager", "--gpu-memory-utilization=0.2"} <= set(vllm["args"])
     assert env(container(pod, "sidecar"))["KVSHARD_SIDECAR_DEVICE"] == "cpu"
 
