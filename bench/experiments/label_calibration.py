@@ -14,6 +14,13 @@ position consistency, most chosen letter).
 
 Run: ``.venv/bin/python bench/experiments/label_calibration.py [USERS] [PRIOR_PROMPTS]`` (defaults 100 and
 100: about 8 minutes on 2 cores). Its answer is in README's "Models" section.
+
+Answer (2026-12-02, the shipped adapter): no. The log-prior per place is nearly flat (−3.01 … −3.54 against
+ln(1/20) = −3.00: no letter the model prefers by much), the raw row reproduces the bench exactly (HR@1 .283,
+consistency .40, most chosen letter 9 %), and calibrated is HR@1 .267 (.19–.33), consistency .43, 10 %. The
+inconsistency is per request — small margins between the top candidates that a reorder flips — not a fixed
+place preference that inference can divide out; it has to be trained away (more requests, or the
+``--consistency`` term where compute allows).
 """
 from __future__ import annotations
 
