@@ -245,7 +245,8 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
     consistency)."""
     dataset = load_dataset(settings.dataset)
     split = UserSplit(settings.heldout_fraction, settings.split_salt)
-    users = split.training_users(dataset)
+    training_users = split.training_users(dataset)
+    users = training_users
     if settings.users:
         users = sorted(random.Random(settings.seed).sample(users, min(settings.users, len(users))))
     builder = PromptBuilder(tokenizer, dataset, template=PromptTemplate(label_position=settings.label_position))
@@ -262,7 +263,7 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
     soft: list[list[list[float]] | None] = [None] * len(requests)
     if settings.teacher == "item-knn":
         # Every training user feeds the teacher, not only the sampled ones: more co-occurrence, no leak.
-        teacher = ItemKnnTeacher(dataset.histories, split.training_users(dataset))
+        teacher = ItemKnnTeacher(dataset.histories, training_users)
         soft = [[teacher.distribution(o.history, o.candidates, settings.teacher_temperature, o.user_id) for o in orders]
                 for orders in training_orders]
         teacher_record |= {"weight": settings.teacher_weight, "temperature": settings.teacher_temperature,
