@@ -7,10 +7,12 @@ rebalance policy applied every interval — reporting for each: item-block hit r
 (max/mean pod work per interval, averaged), and p99 time in system. The model and the trace are
 described in :mod:`kvshard_bench.routing_sim`; nothing in them depends on which policy runs.
 
-λ of the affinity router is not tuned: it is the model's own exchange rate between queueing and
-caching, λ = mean service time / (full − cached cost per token), so one in-flight request weighs what it
-delays a newcomer by. (Smaller λ buys hit ratio with queueing: at λ = 0 the hot holders' queues grow
-without bound.)
+The affinity router weighs cached tokens against each pod's *backlog*, as the router service does
+(:mod:`kvshard_router.backlog`): outstanding work in token equivalents, drained at rates learned from
+answers; a request goes where backlog + its work there is least. Nothing in it is tuned to the
+trace: the cached cost and overhead are the cost model's own. ``--load
+inflight`` replays the earlier rule instead, λ per in-flight request with λ = mean service time /
+(full − cached cost per token), so one in-flight request weighs what it delays a newcomer by.
 
 The rebalancer runs with θ = ``--hot-percent`` (150), pods hot above 115 % of the mean, drops allowed
 to 105 %, and a budget of two warm-ups per pod per interval (``--move-budget``). These were chosen from
@@ -47,7 +49,8 @@ from kvshard.datasets import load_dataset
 from kvshard.placement_schema import Placement
 from kvshard.rebalance import RebalanceSettings
 from kvshard_bench import routing_sim as sim
-from kvshard_router.policies import AffinityPolicy, LoadTable, RouteRequest, RoutingPolicy, make_policy
+from kvshard_router.backlog import Backlog
+from kvshard_router.policies import AffinityPolicy, RouteRequest, RoutingPolicy, make_policy
 from kvshard_router.snapshot import ItemIndex, build_snapshot
 
 TARGET_IMBALANCE = 1.25
@@ -72,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle", action="store_true",
                         help="add an affinity+oracle row: the colocation learned from the whole trace in hindsight, "
                              "in place from the start (an upper bound for affinity+learned)")
+    parser.add_argument("--load", choices=("backlog", "inflight"), default="backlog",
+                        help="what the affinity router weighs cached tokens against: each pod's backlog with "
+                             "the marginal-cost weight (the router's own, default) or λ per in-flight request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of hit ratio and imbalance over time")
@@ -81,7 +87,7 @@ def decision_time(
     items: int, pods: int, candidates: int, *, rounds: int = 5, per_round: int = 1000, seed: int = 0
 ) -> dict[str, float]:
     """Time :meth:`AffinityPolicy.choose` on a synthetic snapshot of ``items`` items and ``pods`` pods
-    (10 clusters per pod, 2 replicas each, ~5 % of pods busy), in ``rounds`` rounds of ``per_round``
+    (10 clusters per pod, 2 replicas each, ~5 % of pods with a backlog), in ``rounds`` rounds of ``per_round``
     fresh requests. On a shared machine a neighbour's burst can stall one round, so the reported p99 is
     the median of the rounds' p99s; the worst round and the pooled p99 are reported beside it."""
     rng = np.random.default_rng(seed)
@@ -94,9 +100,10 @@ def decision_time(
     warm = {p: [c for c, h in assignment.items() if p in h] for p in names}
     snapshot = build_snapshot(Placement(1, assignment, {}, pods=names), warm, items=index)
     build_s = time.perf_counter() - built
-    load = LoadTable()
+    load = Backlog()  # what the router service decides with
     for j in rng.choice(pods, size=max(1, pods // 20), replace=False):
-        load.set(names[int(j)], float(rng.integers(1, 4)))
+        for _ in range(int(rng.integers(1, 4))):
+            load.start(names[int(j)], load.work(0, 400))
     policy = AffinityPolicy()
     wall = np.empty((rounds, per_round))
     cpu = np.empty((rounds, per_round))
@@ -172,7 +179,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tqdm(total=len(setups) * len(trace.requests), desc="routing", unit="req", leave=False) as bar:
         for name, (policy, knobs, learns) in setups.items():
             bar.set_postfix_str(name)
-            simulation = sim.Simulation(trace, model, knobs, learns)
+            simulation = sim.Simulation(trace, model, knobs, learns, load=args.load)
             moved = simulation.place_in_hindsight(learning) if name == "affinity+oracle" else 0
             result = simulation.run(name, policy, bar.update)
             result.actions += moved
@@ -198,6 +205,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "decision_p99_worst_round_us": round(timing["decision_p99_worst_round_us"], 1),
             "pods": args.pods,
             "requests": len(trace.requests),
+            "load": args.load,
             "load_penalty_tokens": round(lam, 1),
         })
     _print(rows, timing, args, settled)

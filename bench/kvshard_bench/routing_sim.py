@@ -23,6 +23,13 @@ so they are hits for every policy. Service time = ``decode_ms`` + ``full_ms`` pe
 the fixed system/question tokens. Token counts per item are ⌈characters/4⌉ + 2 (label and newline).
 Every policy runs against the same pods, placement and trace; only the routing decision differs.
 
+**Load.** The router's load view is either its in-flight counters (``load="inflight"``: λ per
+in-flight request) or, as the router service has it, its :class:`~kvshard_router.backlog.Backlog`
+(``load="backlog"``): each request's work estimated from the *placement* (the router cannot see a
+pod's LRU), the pods' drain rates learned from when answers come back. The cost model's own numbers
+are its settings: a cached token costs ``cached_ms / full_ms`` of a prefill token, a request's
+overhead is ``decode_ms / full_ms + fixed_tokens``.
+
 **Rebalancing.** Every interval the rebalance policy gets per-cluster request rates (each request
 counted fractionally by its candidate tokens per cluster), per-pod busy fraction and hit ratio, the
 assignment and warm sets; dropped replicas are evicted at once, added ones become warm (usable) only
@@ -37,6 +44,7 @@ import heapq
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +54,7 @@ from kvshard.placement_schema import Placement
 from kvshard.rebalance import PodStats, RebalanceSettings, RebalanceState, rebalance
 from kvshard_operator import colocation
 from kvshard_operator import placement as op_placement
+from kvshard_router.backlog import Backlog
 from kvshard_router.corequest import CoRequestSketch
 from kvshard_router.policies import RouteRequest, RoutingPolicy
 from kvshard_router.snapshot import FloatArray, ItemIndex, Snapshot, build_snapshot
@@ -218,13 +227,27 @@ class LearningSettings:
     the topics traffic asks for pile onto a few pods, which saturate)."""
 
 
+LoadModel = Literal["backlog", "inflight"]
+
+
+class _Clock:
+    """The simulation's time, as the router's Backlog reads it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Simulation:
     """Replays a trace against pods with one routing policy (optionally rebalancing every interval,
     optionally co-locating co-requested clusters every interval: ``learning``)."""
 
     def __init__(self, trace: Trace, model: ModelSettings, rebalancing: RebalanceSettings | None,
-                 learning: LearningSettings | None = None) -> None:
+                 learning: LearningSettings | None = None, *, load: LoadModel = "backlog") -> None:
         self.trace, self.model, self.rebalancing, self.learning = trace, model, rebalancing, learning
+        self.load = load
         self.sketch = CoRequestSketch(learning.sketch_pairs) if learning is not None else None
         self.leaving: dict[tuple[int, str], str] = {}
         """(cluster, new holder) → the old holder, which keeps serving until the new one is warm."""
@@ -265,9 +288,13 @@ class Simulation:
         n, span = len(trace.requests), float(trace.arrivals[-1])
         interval = span / model.intervals * (1 + 1e-9)  # the last arrival falls inside the last interval
         labels, tokens = trace.labels, trace.item_tokens
-        load = _Load(len(self.pods))
+        clock = _Clock()
+        backlog = Backlog(cached_cost=model.cached_ms / model.full_ms,
+                          overhead_tokens=model.decode_ms / model.full_ms + model.fixed_tokens, clock=clock)
+        counts = _Load(len(self.pods))
+        load = backlog if self.load == "backlog" else counts
         lru = [collections.OrderedDict[int, None]() for _ in self.pods]
-        done: list[tuple[float, int]] = []
+        done: list[tuple[float, int, float]] = []  # (finish, pod index, work the router estimated)
         last_finish = np.zeros(len(self.pods))
         latencies = np.empty(n)
         pending: list[tuple[float, int, str]] = []  # (warm at, cluster, pod)
@@ -300,11 +327,14 @@ class Simulation:
                         self.warm[old].discard(c)  # make-before-break: the old copy goes once the new is warm
                 self.snapshot = self._snapshot()
             while done and done[0][0] <= now:
-                load.counts[heapq.heappop(done)[1]] -= 1
+                clock.now, q, work = heapq.heappop(done)
+                counts.counts[q] -= 1
+                backlog.finish(self.pods[q], work)
+            clock.now = now
             chosen = policy.choose(request, self.snapshot, load)
             assert chosen is not None
             p = self.snapshot.pod_index[chosen]
-            cached = 0
+            cached = placed = 0
             warm, cache = self.warm[chosen], lru[p]
             req_tokens = int(tokens[rows].sum())
             if self.sketch is not None:
@@ -314,6 +344,7 @@ class Simulation:
                 rates[c] += t / req_tokens
                 if c in warm:
                     cached += t
+                    placed += t
                 elif item in cache:
                     cache.move_to_end(item)
                     cached += t
@@ -324,8 +355,10 @@ class Simulation:
             svc = service_ms(model, cached + request.history_tokens, req_tokens - cached)
             start = max(now, last_finish[p])
             last_finish[p] = start + svc
-            heapq.heappush(done, (start + svc, p))
-            load.counts[p] += 1
+            work = backlog.work(placed + request.history_tokens, req_tokens + request.history_tokens)
+            heapq.heappush(done, (start + svc, p, work))
+            counts.counts[p] += 1
+            backlog.start(chosen, work)
             latencies[j] = start + svc - now
             hits += cached
             total += req_tokens

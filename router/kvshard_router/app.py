@@ -18,12 +18,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshard.etcd_store import EtcdStore
+from kvshard_router.backlog import Backlog
 from kvshard_router.corequest import CoRequestSketch
 from kvshard_router.corequest_publisher import CoRequestPublisher
 from kvshard_router.follower import PlacementFollower
 from kvshard_router.health import HealthChecker
 from kvshard_router.metrics import NO_POD, RouterMetrics
-from kvshard_router.policies import AffinityPolicy, LoadTable, RoutingPolicy, make_policy
+from kvshard_router.policies import AffinityPolicy, RoutingPolicy, make_policy
 from kvshard_router.service import Router, error_response
 from kvshard_router.settings import RouterSettings
 from kvshard_router.state import RouterState
@@ -41,7 +42,7 @@ class RouterApp:
         self.settings = settings
         self.store = store
         self.state = RouterState(default_item_tokens=settings.item_tokens)
-        self.load = LoadTable()
+        self.load = Backlog(cached_cost=settings.cached_token_cost, overhead_tokens=settings.request_overhead_tokens)
         self.policy = build_policy(settings)
         self.metrics = RouterMetrics(self.state, self.load, cacheshard=settings.cacheshard)
         self.session: aiohttp.ClientSession | None = None
@@ -96,7 +97,7 @@ ROUTER_APP = web.AppKey("router", RouterApp)
 
 def build_policy(settings: RouterSettings) -> RoutingPolicy:
     if settings.policy == "affinity":
-        return AffinityPolicy(load_penalty_tokens=settings.load_penalty_tokens)
+        return AffinityPolicy()  # weighs cached tokens against the Backlog (kvshard_router.backlog)
     return make_policy(settings.policy)
 
 

@@ -17,6 +17,9 @@ good pods the least loaded one wins.
   Because candidates differ between requests, in practice it keeps a user on one pod.
 * ``affinity`` — kvshard's scheduler (DESIGN §5): score(p) = Σ cached tokens of the request's blocks on
   p (history blocks everywhere, item blocks by placement) − λ · in-flight(p); highest score wins.
+  Given a :class:`BacklogView` (the router's :class:`~kvshard_router.backlog.Backlog`) instead of bare
+  in-flight counts, score(p) = −cost(p): the pod's backlog plus the request's work there (cached
+  tokens at their blending cost), i.e. where the request is expected to be done first.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +63,14 @@ class LoadView(Protocol):
     """Live per-pod load (in-flight requests), aligned with a snapshot's ``pods``."""
 
     def inflight(self, snapshot: Snapshot) -> FloatArray: ...
+
+
+class BacklogView(Protocol):
+    """Per-pod load that also prices a request: the router's :class:`~kvshard_router.backlog.Backlog`."""
+
+    def inflight(self, snapshot: Snapshot) -> FloatArray: ...
+
+    def cost(self, snapshot: Snapshot, cached_tokens: FloatArray, total_tokens: float) -> FloatArray: ...
 
 
 class LoadTable:
@@ -133,6 +144,25 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
     except KeyError:
         raise UnknownPolicyError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
     return factory(**options)
+
+
+def request_tokens(request: RouteRequest, snapshot: Snapshot) -> int:
+    """All tokens of the request's history and candidate blocks (the snapshot's default per unknown size)."""
+    items = (sum(request.item_tokens) if request.item_tokens is not None
+             else snapshot.default_item_tokens * len(request.items))
+    return int(items) + request.history_tokens
+
+
+def cached_tokens(request: RouteRequest, snapshot: Snapshot) -> FloatArray:
+    """Tokens of the request's blocks each snapshot pod holds warm (history blocks count everywhere
+    when the snapshot says they are replicated to every pod)."""
+    tokens: Sequence[int] | int = (
+        request.item_tokens if request.item_tokens is not None else snapshot.default_item_tokens
+    )
+    held = snapshot.cached_tokens(snapshot.clusters_of(request.items), tokens)
+    if snapshot.history_everywhere:
+        held += request.history_tokens
+    return held
 
 
 def _least_loaded(candidates: npt.NDArray[np.int32] | npt.NDArray[np.int64], load: FloatArray) -> int:
@@ -232,7 +262,8 @@ class PrefixAwarePolicy:
 
 @register("affinity")
 class AffinityPolicy:
-    """kvshard's scheduler: most cached tokens of the request's blocks, minus λ per in-flight request.
+    """kvshard's scheduler: most cached tokens of the request's blocks, minus λ per in-flight request
+    (or, given a :class:`BacklogView`, minus the pod's outstanding work; see the module docstring).
 
     ``load_penalty_tokens`` (λ) is how many cached tokens one queued request is worth: with per-token
     costs ``c_full`` (prefill) and ``c_cached`` (blend) and a mean service time ``s``, λ = s /
@@ -248,14 +279,11 @@ class AffinityPolicy:
 
     def scores(self, request: RouteRequest, snapshot: Snapshot, load: LoadView) -> FloatArray:
         """score(p) for every pod of the snapshot; −inf for unhealthy pods."""
-        clusters = snapshot.clusters_of(request.items)
-        tokens: Sequence[int] | int = (
-            request.item_tokens if request.item_tokens is not None else snapshot.default_item_tokens
-        )
-        score = snapshot.cached_tokens(clusters, tokens)
-        if snapshot.history_everywhere:
-            score += request.history_tokens
-        score -= self.load_penalty_tokens * load.inflight(snapshot)
+        score = cached_tokens(request, snapshot)
+        if hasattr(load, "cost"):  # the router's Backlog (isinstance on a Protocol costs ~9 µs)
+            score = -cast(BacklogView, load).cost(snapshot, score, request_tokens(request, snapshot))
+        else:
+            score -= self.load_penalty_tokens * load.inflight(snapshot)
         score[~snapshot.healthy] = -np.inf
         return score
 

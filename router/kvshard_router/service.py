@@ -29,9 +29,10 @@ import numpy as np
 from aiohttp import web
 
 from kvshard.request_errors import RequestError, error_body
+from kvshard_router.backlog import Backlog
 from kvshard_router.corequest import CoRequestSketch
 from kvshard_router.metrics import NO_POD, RouterMetrics, status_class
-from kvshard_router.policies import POLICIES, LoadTable, RoutingPolicy
+from kvshard_router.policies import POLICIES, RouteRequest, RoutingPolicy, cached_tokens, request_tokens
 from kvshard_router.snapshot import Snapshot
 from kvshard_router.state import RouterState
 from kvshard_router.validation import parse_recommend
@@ -77,9 +78,9 @@ def error_response(status: int, field: str, message: str, headers: dict[str, str
 
 
 class Router:
-    """Routes requests by ``policy`` over ``state``'s snapshot; counts load in ``load``."""
+    """Routes requests by ``policy`` over ``state``'s snapshot; counts load and work in ``load``."""
 
-    def __init__(self, state: RouterState, policy: RoutingPolicy, load: LoadTable, metrics: RouterMetrics,
+    def __init__(self, state: RouterState, policy: RoutingPolicy, load: Backlog, metrics: RouterMetrics,
                  session: aiohttp.ClientSession, *, request_timeout: float, connect_timeout: float,
                  history_tokens: int = 0, corequest: CoRequestSketch | None = None) -> None:
         self.state = state
@@ -126,7 +127,7 @@ class Router:
         if self.corequest is not None:
             self.corequest.add(found.tolist())
 
-        first = await self._forward(pod, raw, content_type)
+        first = await self._forward(pod, raw, content_type, self._work(route, snapshot, pod))
         if isinstance(first, Upstream):
             return self._reply(first, snapshot, clusters)
         self.state.set_health(pod, False, first.reason)
@@ -139,12 +140,18 @@ class Router:
                                   {"Retry-After": RETRY_AFTER_SECONDS, **generation})
         self.metrics.retries.inc()
         log.warning("pod %s %s; sending the request to %s instead", pod, first.reason, other)
-        second = await self._forward(other, raw, content_type)
+        second = await self._forward(other, raw, content_type, self._work(route, latest, other))
         if isinstance(second, Upstream):
             return self._reply(second, latest, clusters)
         self.state.set_health(other, False, second.reason)
         return error_response(502, "pods", f"pod {pod} {first.reason}; pod {other} {second.reason}",
                               {"Retry-After": RETRY_AFTER_SECONDS, **generation})
+
+    def _work(self, route: RouteRequest, snapshot: Snapshot, pod: str) -> float:
+        """The request's work on ``pod`` in token equivalents (what the backlog adds and drains)."""
+        j = snapshot.pod_index.get(pod)
+        held = float(cached_tokens(route, snapshot)[j]) if j is not None else 0.0
+        return self.load.work(held, request_tokens(route, snapshot))
 
     def _reply(self, answer: Upstream, snapshot: Snapshot, clusters: list[int]) -> web.Response:
         if 200 <= answer.status < 300:
@@ -153,11 +160,11 @@ class Router:
         headers = {**answer.headers, POD_HEADER: answer.pod, GENERATION_HEADER: str(snapshot.generation)}
         return web.Response(status=answer.status, body=answer.body, headers=headers)
 
-    async def _forward(self, pod: str, raw: bytes, content_type: str) -> Upstream | Failure:
+    async def _forward(self, pod: str, raw: bytes, content_type: str, work: float) -> Upstream | Failure:
         url = self.state.url(pod)
         if url is None:
             return Failure(pod, "has no URL any more")
-        self.load.start(pod)
+        self.load.start(pod, work)
         started = time.perf_counter()
         try:
             async with self.session.post(f"{url}/v1/recommend", data=raw, timeout=self.timeout,
@@ -172,7 +179,7 @@ class Router:
                                                     f"{self.timeout.total:g} s"),
                               {"Content-Type": "application/json"})
         finally:
-            self.load.finish(pod)
+            self.load.finish(pod, work)
             self.metrics.upstream.labels(pod).observe(time.perf_counter() - started)
         if answer.status == 503:
             return Failure(pod, f"answered 503 ({_message(answer.body)})", answer)

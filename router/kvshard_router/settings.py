@@ -17,7 +17,6 @@ from typing import Literal
 from kvshard import settings as settings_lib
 from kvshard.etcd_tls import EtcdTLS, files_problem
 from kvshard.settings import setting
-from kvshard_router.policies import DEFAULT_LOAD_PENALTY_TOKENS
 
 ENV_PREFIX = "KVSHARD_ROUTER_"
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
@@ -43,8 +42,10 @@ class RouterSettings:
     cacheshard: str = setting("", "the CacheShard whose placement to follow, as <namespace>/<name>")
     policy: PolicyName = setting("affinity", "routing policy: affinity (cached tokens minus load), round-robin, "
                                  "least-loaded or prefix-aware (the baselines)")
-    load_penalty_tokens: float = setting(DEFAULT_LOAD_PENALTY_TOKENS,
-                                         "affinity λ: cached tokens one in-flight request on a pod is worth")
+    cached_token_cost: float = setting(0.2, "cost of a cached (blended) block token relative to a prefilled one "
+                                       "(blending recomputes ~15 % and loads the rest) in each request's work estimate")
+    request_overhead_tokens: float = setting(128.0, "token equivalents of a request beyond its blocks (system and "
+                                             "question tokens, decoding the answer) in its work estimate")
     health_interval_seconds: float = setting(1.0, "seconds between GET <pod>/readyz probes of every known pod")
     request_timeout_seconds: float = setting(120.0, "longest a forwarded /v1/recommend may take (then 504)")
     connect_timeout_seconds: float = setting(2.0, "longest a connection to a pod (then the next pod) or a "
@@ -59,10 +60,12 @@ class RouterSettings:
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
             raise settings_lib.SettingsError("port must be in 1..65535")
+        if not 0.0 <= self.cached_token_cost <= 1.0:
+            raise settings_lib.SettingsError("cached_token_cost must be in [0, 1]")
         for name in ("health_interval_seconds", "request_timeout_seconds", "connect_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise settings_lib.SettingsError(f"{name} must be > 0")
-        for name in ("load_penalty_tokens", "item_tokens", "history_tokens", "corequest_interval_seconds"):
+        for name in ("request_overhead_tokens", "item_tokens", "history_tokens", "corequest_interval_seconds"):
             if getattr(self, name) < 0:
                 raise settings_lib.SettingsError(f"{name} must be >= 0")
         if self.corequest_top_pairs < 1:
