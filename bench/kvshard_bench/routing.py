@@ -10,9 +10,11 @@ described in :mod:`kvshard_bench.routing_sim`; nothing in them depends on which 
 The affinity router weighs cached tokens against each pod's *backlog*, as the router service does
 (:mod:`kvshard_router.backlog`): outstanding work in token equivalents, drained at rates learned from
 answers; a request goes where backlog + its work there is least. Nothing in it is tuned to the
-trace: the cached cost and overhead are the cost model's own. ``--load
-inflight`` replays the earlier rule instead, λ per in-flight request with λ = mean service time /
-(full − cached cost per token), so one in-flight request weighs what it delays a newcomer by.
+trace: the cached cost and overhead are the cost model's own. It also remembers the blocks it sent
+each pod outside the placement (:mod:`kvshard_router.recent`), as many per pod as the simulated pods'
+LRU keeps (``--recent-blocks``; 0 turns it off). ``--load inflight`` replays the earlier rule
+instead, λ per in-flight request with λ = mean service time / (full − cached cost per token), so one
+in-flight request weighs what it delays a newcomer by.
 
 The rebalancer runs with θ = ``--hot-percent`` (150), pods hot above 115 % of the mean, drops allowed
 to 105 %, and a budget of two warm-ups per pod per interval (``--move-budget``). These were chosen from
@@ -51,6 +53,7 @@ from kvshard.rebalance import RebalanceSettings
 from kvshard_bench import routing_sim as sim
 from kvshard_router.backlog import Backlog
 from kvshard_router.policies import AffinityPolicy, RouteRequest, RoutingPolicy, make_policy
+from kvshard_router.settings import RouterSettings
 from kvshard_router.snapshot import ItemIndex, build_snapshot
 
 TARGET_IMBALANCE = 1.25
@@ -78,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", choices=("backlog", "inflight"), default="backlog",
                         help="what the affinity router weighs cached tokens against: each pod's backlog with "
                              "the marginal-cost weight (the router's own, default) or λ per in-flight request")
+    parser.add_argument("--recent-blocks", type=int, default=None,
+                        help="blocks per pod the affinity router remembers sending outside the placement "
+                             "(default: the simulated pods' LRU size, as a router set to its pods' cache; 0: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of hit ratio and imbalance over time")
@@ -104,7 +110,7 @@ def decision_time(
     for j in rng.choice(pods, size=max(1, pods // 20), replace=False):
         for _ in range(int(rng.integers(1, 4))):
             load.start(names[int(j)], load.work(0, 400))
-    policy = AffinityPolicy()
+    policy = AffinityPolicy(recent_blocks_per_pod=RouterSettings().recent_blocks_per_pod)  # the router's own
     wall = np.empty((rounds, per_round))
     cpu = np.empty((rounds, per_round))
     for r in range(rounds):
@@ -114,8 +120,10 @@ def decision_time(
         gc.collect()
         for k, request in enumerate(requests):
             w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-            policy.choose(request, snapshot, load)
+            pod = policy.choose(request, snapshot, load)
             cpu[r, k], wall[r, k] = time.thread_time_ns() - c0, time.perf_counter_ns() - w0
+            assert pod is not None
+            policy.served(pod, request, snapshot)  # after the answer, off the decision's path
     round_p99 = np.percentile(wall, 99, axis=1) / 1e3
     return {
         "decision_p50_us": float(np.percentile(wall, 50)) / 1e3,
@@ -164,17 +172,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         drop_budget=args.pods,
     )
     learning = sim.LearningSettings(move_budget=2 * args.pods)
+    recent = sim.lru_blocks(trace, model) if args.recent_blocks is None else args.recent_blocks
+
+    def affinity() -> RoutingPolicy:
+        return make_policy("affinity", load_penalty_tokens=lam, recent_blocks_per_pod=recent)
+
     setups: dict[str, tuple[RoutingPolicy, RebalanceSettings | None, sim.LearningSettings | None]] = {
         "round-robin": (make_policy("round-robin"), None, None),
         "least-loaded": (make_policy("least-loaded"), None, None),
         "prefix-aware": (make_policy("prefix-aware"), None, None),
-        "affinity": (make_policy("affinity", load_penalty_tokens=lam), None, None),
-        "affinity+rebalance": (make_policy("affinity", load_penalty_tokens=lam), rebalancing, None),
+        "affinity": (affinity(), None, None),
+        "affinity+rebalance": (affinity(), rebalancing, None),
         # no hot-cluster replication: only the co-request-learned swaps (issue 15)
-        "affinity+learned": (make_policy("affinity", load_penalty_tokens=lam), None, learning),
+        "affinity+learned": (affinity(), None, learning),
     }
     if args.oracle:
-        setups["affinity+oracle"] = (make_policy("affinity", load_penalty_tokens=lam), None, None)
+        setups["affinity+oracle"] = (affinity(), None, None)
     results: list[sim.Result] = []
     with tqdm(total=len(setups) * len(trace.requests), desc="routing", unit="req", leave=False) as bar:
         for name, (policy, knobs, learns) in setups.items():
@@ -206,6 +219,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "pods": args.pods,
             "requests": len(trace.requests),
             "load": args.load,
+            "recent_blocks_per_pod": recent,
             "load_penalty_tokens": round(lam, 1),
         })
     _print(rows, timing, args, settled)

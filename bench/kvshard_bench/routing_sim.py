@@ -183,6 +183,11 @@ def build_trace(
     return Trace(requests, rows, arrivals, ids, tokens, labels.astype(np.int64), hot, burst)
 
 
+def lru_blocks(trace: Trace, model: ModelSettings) -> int:
+    """Item blocks each pod keeps beyond its placement (its LRU of computed or fetched blocks)."""
+    return max(1, int(model.lru_slack * len(trace.item_ids) / model.pods))
+
+
 def service_ms(model: ModelSettings, cached_tokens: int, uncached_tokens: int) -> float:
     """Time one pod spends on a request (history tokens are cached on every pod: pass them as cached)."""
     return (model.decode_ms + model.full_ms * (uncached_tokens + model.fixed_tokens)
@@ -261,7 +266,7 @@ class Simulation:
         }
         self.index = ItemIndex.from_items(trace.item_ids, trace.labels)
         self.warm = {p: {c for c, h in self.assignment.items() if p in h} for p in self.pods}
-        self.lru_size = max(1, int(model.lru_slack * len(trace.item_ids) / model.pods))
+        self.lru_size = lru_blocks(trace, model)
         self.generation = 1
         self.snapshot = self._snapshot()
 
@@ -333,6 +338,9 @@ class Simulation:
             clock.now = now
             chosen = policy.choose(request, self.snapshot, load)
             assert chosen is not None
+            served = getattr(policy, "served", None)  # the pod will hold what it computes: the router learns it
+            if served is not None:
+                served(chosen, request, self.snapshot)
             p = self.snapshot.pod_index[chosen]
             cached = placed = 0
             warm, cache = self.warm[chosen], lru[p]

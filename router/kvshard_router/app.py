@@ -97,7 +97,8 @@ ROUTER_APP = web.AppKey("router", RouterApp)
 
 def build_policy(settings: RouterSettings) -> RoutingPolicy:
     if settings.policy == "affinity":
-        return AffinityPolicy()  # weighs cached tokens against the Backlog (kvshard_router.backlog)
+        # weighs cached tokens against the Backlog (kvshard_router.backlog)
+        return AffinityPolicy(recent_blocks_per_pod=settings.recent_blocks_per_pod)
     return make_policy(settings.policy)
 
 

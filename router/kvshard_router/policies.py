@@ -32,7 +32,8 @@ from typing import Any, Protocol, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvshard_router.snapshot import FloatArray, Snapshot
+from kvshard_router.recent import RecentBlocks
+from kvshard_router.snapshot import FloatArray, IntArray, Snapshot
 
 
 class UnknownPolicyError(KeyError):
@@ -153,13 +154,17 @@ def request_tokens(request: RouteRequest, snapshot: Snapshot) -> int:
     return int(items) + request.history_tokens
 
 
-def cached_tokens(request: RouteRequest, snapshot: Snapshot) -> FloatArray:
-    """Tokens of the request's blocks each snapshot pod holds warm (history blocks count everywhere
-    when the snapshot says they are replicated to every pod)."""
-    tokens: Sequence[int] | int = (
-        request.item_tokens if request.item_tokens is not None else snapshot.default_item_tokens
-    )
-    held = snapshot.cached_tokens(snapshot.clusters_of(request.items), tokens)
+def _item_tokens(request: RouteRequest, snapshot: Snapshot) -> Sequence[int] | int:
+    return request.item_tokens if request.item_tokens is not None else snapshot.default_item_tokens
+
+
+def cached_tokens(request: RouteRequest, snapshot: Snapshot, clusters: IntArray | None = None) -> FloatArray:
+    """Tokens of the request's blocks each snapshot pod holds warm by placement (history blocks count
+    everywhere when the snapshot says they are replicated to every pod); ``clusters`` are the items'
+    clusters when the caller has looked them up already."""
+    if clusters is None:
+        clusters = snapshot.clusters_of(request.items)
+    held = snapshot.cached_tokens(clusters, _item_tokens(request, snapshot))
     if snapshot.history_everywhere:
         held += request.history_tokens
     return held
@@ -269,17 +274,27 @@ class AffinityPolicy:
     costs ``c_full`` (prefill) and ``c_cached`` (blend) and a mean service time ``s``, λ = s /
     (c_full − c_cached) makes both terms seconds. Large λ degrades to least-loaded, λ = 0 to pure
     affinity (which piles a hot cluster's traffic onto its holders).
+
+    ``recent_blocks_per_pod`` > 0 also counts, per pod, the last that many item blocks it answered
+    outside its placement (:mod:`kvshard_router.recent`; the caller reports answers to :meth:`served`):
+    the pod computed them and keeps them.
     """
 
-    def __init__(self, load_penalty_tokens: float = DEFAULT_LOAD_PENALTY_TOKENS) -> None:
+    def __init__(self, load_penalty_tokens: float = DEFAULT_LOAD_PENALTY_TOKENS,
+                 recent_blocks_per_pod: int = 0) -> None:
         if load_penalty_tokens < 0:
             raise ValueError("load_penalty_tokens must be >= 0")
         self.load_penalty_tokens = load_penalty_tokens
+        self.recent = RecentBlocks(recent_blocks_per_pod) if recent_blocks_per_pod > 0 else None
+        """Blocks each pod answered outside its placement (counted as cached there)."""
         self._turn = 0
 
     def scores(self, request: RouteRequest, snapshot: Snapshot, load: LoadView) -> FloatArray:
         """score(p) for every pod of the snapshot; −inf for unhealthy pods."""
-        score = cached_tokens(request, snapshot)
+        clusters = snapshot.clusters_of(request.items)
+        score = cached_tokens(request, snapshot, clusters)
+        if self.recent is not None:
+            score += self.recent.held_tokens(request.items, clusters, _item_tokens(request, snapshot), snapshot)
         if hasattr(load, "cost"):  # the router's Backlog (isinstance on a Protocol costs ~9 µs)
             score = -cast(BacklogView, load).cost(snapshot, score, request_tokens(request, snapshot))
         else:
@@ -301,3 +316,9 @@ class AffinityPolicy:
             tied = tied[loads == loads.min()]
             self._turn += 1
         return snapshot.pods[int(tied[self._turn % len(tied)])]
+
+    def served(self, pod: str, request: RouteRequest, snapshot: Snapshot) -> None:
+        """``pod`` answered ``request``: it now holds the request's blocks (kept off the decision's
+        path, and only for answers that came)."""
+        if self.recent is not None:
+            self.recent.record(pod, request.items, snapshot.clusters_of(request.items), snapshot)

@@ -129,20 +129,20 @@ class Router:
 
         first = await self._forward(pod, raw, content_type, self._work(route, snapshot, pod))
         if isinstance(first, Upstream):
-            return self._reply(first, snapshot, clusters)
+            return self._reply(first, snapshot, clusters, route)
         self.state.set_health(pod, False, first.reason)
         latest = self.state.snapshot or snapshot
         other = self.policy.choose(route, latest.with_health({pod: False}), self.load)
         if other is None:
             if first.answer is not None:
-                return self._reply(first.answer, snapshot, clusters)
+                return self._reply(first.answer, snapshot, clusters, route)
             return error_response(502, "pods", f"pod {pod} {first.reason}; no other pod is healthy",
                                   {"Retry-After": RETRY_AFTER_SECONDS, **generation})
         self.metrics.retries.inc()
         log.warning("pod %s %s; sending the request to %s instead", pod, first.reason, other)
         second = await self._forward(other, raw, content_type, self._work(route, latest, other))
         if isinstance(second, Upstream):
-            return self._reply(second, latest, clusters)
+            return self._reply(second, latest, clusters, route)
         self.state.set_health(other, False, second.reason)
         return error_response(502, "pods", f"pod {pod} {first.reason}; pod {other} {second.reason}",
                               {"Retry-After": RETRY_AFTER_SECONDS, **generation})
@@ -153,8 +153,11 @@ class Router:
         held = float(cached_tokens(route, snapshot)[j]) if j is not None else 0.0
         return self.load.work(held, request_tokens(route, snapshot))
 
-    def _reply(self, answer: Upstream, snapshot: Snapshot, clusters: list[int]) -> web.Response:
+    def _reply(self, answer: Upstream, snapshot: Snapshot, clusters: list[int], route: RouteRequest) -> web.Response:
         if 200 <= answer.status < 300:
+            served = getattr(self.policy, "served", None)  # the affinity policy remembers what pods hold
+            if served is not None:
+                served(answer.pod, route, snapshot)
             warm = self.state.warm(answer.pod)
             self.metrics.count_clusters(self.metrics.cluster_hits, (c for c in clusters if c in warm))
         headers = {**answer.headers, POD_HEADER: answer.pod, GENERATION_HEADER: str(snapshot.generation)}

@@ -46,6 +46,10 @@ class RouterSettings:
                                        "(blending recomputes ~15 % and loads the rest) in each request's work estimate")
     request_overhead_tokens: float = setting(128.0, "token equivalents of a request beyond its blocks (system and "
                                              "question tokens, decoding the answer) in its work estimate")
+    recent_blocks_per_pod: int = setting(
+        256, "item blocks per pod the affinity router remembers sending outside the placement and counts as "
+        "cached there (the pod computed and kept them); keep it at or below what a pod's memory tier holds "
+        "beyond its placement: counting evicted blocks costs more locality than forgetting kept ones (0: off)")
     health_interval_seconds: float = setting(1.0, "seconds between GET <pod>/readyz probes of every known pod")
     request_timeout_seconds: float = setting(120.0, "longest a forwarded /v1/recommend may take (then 504)")
     connect_timeout_seconds: float = setting(2.0, "longest a connection to a pod (then the next pod) or a "
@@ -65,7 +69,8 @@ class RouterSettings:
         for name in ("health_interval_seconds", "request_timeout_seconds", "connect_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise settings_lib.SettingsError(f"{name} must be > 0")
-        for name in ("request_overhead_tokens", "item_tokens", "history_tokens", "corequest_interval_seconds"):
+        for name in ("request_overhead_tokens", "recent_blocks_per_pod", "item_tokens", "history_tokens",
+                     "corequest_interval_seconds"):
             if getattr(self, name) < 0:
                 raise settings_lib.SettingsError(f"{name} must be >= 0")
         if self.corequest_top_pairs < 1:

@@ -68,3 +68,17 @@ def test_routing_by_backlog_keeps_more_local_and_waits_less_than_counting_reques
     backlog = sim.Simulation(trace, model, None, learning, load="backlog").run("backlog", make_policy("affinity"))
     assert backlog.hit_ratio > 1.03 * counted.hit_ratio
     assert backlog.p99_ms < 0.9 * counted.p99_ms
+
+
+def test_remembering_the_blocks_sent_outside_the_placement_keeps_more_local(
+    small: tuple[sim.Trace, sim.ModelSettings, float],
+) -> None:
+    """Pods keep the blocks they computed (an LRU the size of ``lru_blocks``); a router that remembers
+    what it sent where, bounded the same, serves more item tokens from cache without a longer tail."""
+    trace, model, _ = small
+    learning = sim.LearningSettings(move_budget=32)
+    forgetful = sim.Simulation(trace, model, None, learning).run("forgetful", make_policy("affinity"))
+    remembering = sim.Simulation(trace, model, None, learning).run(
+        "remembering", make_policy("affinity", recent_blocks_per_pod=sim.lru_blocks(trace, model)))
+    assert remembering.hit_ratio > 1.05 * forgetful.hit_ratio
+    assert remembering.p99_ms < 1.05 * forgetful.p99_ms
