@@ -11,10 +11,10 @@ from kvshard_sidecar.finetune_settings import FinetuneSettings
 
 def tiny_settings(out: Path) -> FinetuneSettings:
     """What `make test` trains: 5 users, 3 history items, 4 candidates, LoRA rank 2 on the top 2 layers, each
-    request under two candidate orders with the agreement term."""
+    request under two candidate orders with the agreement term and the pointwise term on."""
     return FinetuneSettings(out=out, history=3, candidates=4, steps=2, accumulation=1, users=5, val_users=2,
                             rank=2, alpha=4, layers=2, targets=("q_proj", "v_proj", "down_proj"), warmup=1,
-                            minutes=5.0, consistency=1.0)
+                            minutes=5.0, consistency=1.0, pointwise=1.0)
 
 
 @pytest.fixture(scope="session")

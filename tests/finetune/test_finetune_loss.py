@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvshard_sidecar.finetune import answer_logits, label_loss, lr_factor, order_disagreement
+from kvshard_sidecar.finetune import (
+    answer_and_label_logits,
+    answer_logits,
+    label_loss,
+    lr_factor,
+    mixed_cross_entropy,
+    order_disagreement,
+)
 
 VOCAB = 97
 LABELS = torch.tensor([11, 3, 40, 7])
@@ -57,6 +64,30 @@ def test_answer_logits_are_the_models_last_position_logits(tiny_llama: Any) -> N
     assert torch.allclose(got, expected, atol=1e-5)
     target = torch.tensor([1])
     assert torch.allclose(label_loss(got, LABELS, target), label_loss(expected, LABELS, target), atol=1e-6)
+
+
+def test_the_pointwise_readout_is_the_models_logit_at_each_label_position(tiny_llama: Any) -> None:
+    ids = torch.randint(0, VOCAB, (2, 17))
+    positions = torch.tensor([[3, 7, 11], [2, 9, 15]])
+    with torch.no_grad():
+        full = tiny_llama(input_ids=ids).logits
+        answer, readout = answer_and_label_logits(tiny_llama, ids, positions, readout_id=5)
+    assert readout is not None and readout.shape == (2, 3)
+    assert torch.allclose(answer, full[:, -1], atol=1e-5)
+    assert torch.allclose(readout, full[torch.arange(2).unsqueeze(1), positions, 5], atol=1e-5)
+
+
+def test_the_pointwise_term_mixes_the_same_targets_as_the_answer() -> None:
+    scores = torch.randn(2, 4)
+    targets = torch.tensor([1, 3])
+    soft = torch.softmax(torch.randn(2, 4), dim=-1)
+    assert torch.allclose(mixed_cross_entropy(scores, targets), F.cross_entropy(scores, targets))
+    logits = torch.randn(2, VOCAB)
+    logits[:, LABELS] = scores
+    mixed = mixed_cross_entropy(scores, targets, soft, 0.5)
+    assert torch.allclose(mixed, label_loss(logits, LABELS, targets, soft, 0.5))
+    teacher_only = -(soft * scores.log_softmax(-1)).sum(-1).mean()
+    assert torch.allclose(mixed_cross_entropy(scores, targets, soft, 1.0), teacher_only)
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:

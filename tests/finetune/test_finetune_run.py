@@ -46,6 +46,7 @@ def test_provenance_records_command_seed_split_and_base_hash(tiny_adapter: Path)
     validation = record["evaluation"]["validation"]
     assert "hr1" in validation and 0.0 <= validation["position_consistency"] <= 1.0  # two orders per prompt
     assert record["settings"]["consistency"] == 1.0 and "--consistency 1.0" in record["command"]
+    assert record["settings"]["pointwise"] == 1.0 and "--pointwise 1.0" in record["command"]
     assert record["teacher"]["kind"] == "item-knn" and 0.0 <= record["teacher"]["validation"]["hr1"] <= 1.0
 
 
@@ -73,6 +74,14 @@ def test_a_rank_above_16_is_refused() -> None:
         FinetuneSettings(rank=32).validate()
 
 
+def test_the_pointwise_term_is_refused_when_labels_stand_before_their_items() -> None:
+    from kvshard.settings import SettingsError
+
+    FinetuneSettings(pointwise=1.0).validate()
+    with pytest.raises(SettingsError, match="label-position after"):
+        FinetuneSettings(pointwise=1.0, label_position="before").validate()
+
+
 @pytest.mark.model
 def test_an_example_aligns_each_order_with_the_first() -> None:
     from transformers import AutoTokenizer
@@ -90,3 +99,25 @@ def test_an_example_aligns_each_order_with_the_first() -> None:
     assert example.alignment.tolist() == [[0, 1, 2], [1, 2, 0]]  # "10" stands second in order 1, ...
     with pytest.raises(ValueError, match="target"):
         Example.of(builder.build(RecommendationRequest("1", ("1",), ("10", "20"), target="99")))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("label_position", ["after", "before"])
+def test_label_positions_point_at_each_candidates_label_token(label_position: str) -> None:
+    from transformers import AutoTokenizer
+
+    from kvshard.datasets import load_dataset
+    from kvshard.prompt_template import PromptTemplate
+    from kvshard.prompts import PromptBuilder, RecommendationRequest
+    from kvshard_sidecar.finetune import label_positions
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    builder = PromptBuilder(tokenizer, load_dataset("movielens-100k"),
+                            template=PromptTemplate(label_position=label_position))
+    built = builder.build(RecommendationRequest("1", ("1", "2"), ("10", "20", "30", "40"), target="20"))
+    positions = label_positions(built)
+    ids = built.prompt.token_ids
+    assert [ids[p] for p in positions] == list(built.label_token_ids)
+    assert positions == sorted(positions) and len(set(positions)) == 4
+    closing = {tokenizer.decode(ids[p + 1]) for p in positions}
+    assert closing == ({"]"} if label_position == "after" else {"."})
