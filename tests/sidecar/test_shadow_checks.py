@@ -57,8 +57,8 @@ def guarded(etcd_server: EtcdServer, start_sidecar: SidecarFactory) -> Iterator[
 @pytest.mark.model
 def test_the_blend_in_force_is_followed_and_sampled_requests_are_shadow_checked(
         guarded: Sidecar, etcd_server: EtcdServer) -> None:
-    first = ask(guarded, "1")
-    assert first["blend"] == {"selector": "tail", "ratio": 0.15}
+    # readiness means the model is loaded; the published blend arrives with the follower's first read
+    assert wait_for("ratio 0.15 in force", lambda: ask(guarded, "1")["blend"] == {"selector": "tail", "ratio": 0.15})
     for user in ("2", "3"):
         ask(guarded, user)
     done = wait_for("3 shadow checks", lambda: checks(guarded, "agree", "0.15") + checks(guarded, "disagree", "0.15")
