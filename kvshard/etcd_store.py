@@ -584,12 +584,12 @@ class EtcdStore:
             raise GenerationConflictError(f"{namespace}/{name}: blend is no longer at version {expected}; re-read")
         return expected + 1
 
-    async def watch_blend(self, namespace: str, name: str) -> AsyncIterator[bp.BlendPolicy]:
-        """Yield the blend in force (if published) and every new one; unreadable values are skipped."""
+    async def watch_blend(self, namespace: str, name: str) -> AsyncIterator[bp.BlendPolicy | None]:
+        """Yield the blend in force first — ``None`` when none is published (or it is unreadable), so a
+        follower knows it has read — then every new one; unreadable new values are skipped."""
         key = blend_key(namespace, name)
         resp = await self._call("read", self._kv.get(key, timeout=self.timeout))
-        if resp.kvs and (policy := _blend(resp.kvs[0].value)) is not None:
-            yield policy
+        yield _blend(resp.kvs[0].value) if resp.kvs else None
         watch = self._client.watch
         assert watch is not None
         try:

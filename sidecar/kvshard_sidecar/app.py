@@ -171,6 +171,8 @@ async def readyz(request: web.Request) -> web.StreamResponse:
         return _error(503, "model", f"failed to load: {service.load_error}")
     if not service.ready:
         return _error(503, "model", "loading")
+    if service.awaiting_blend(time.monotonic()):
+        return _error(503, "blend", "waiting for the CacheShard's blend settings from etcd")
     return web.json_response({"status": "ready", "model": service.model_name, "pod": service.settings.name})
 
 
@@ -247,10 +249,18 @@ async def _start(app: web.Application) -> None:
             follower = PlacementFollower(service, history)
             app[FOLLOWER] = follower
             follower.start()
+            loop.call_later(service.settings.blend_wait_seconds, _blend_wait_over, service)
         elif history:
             service.prefill_queue.submit_units((WarmUnit("user", (u,)) for u in history), priority=1)
 
     app["loader"] = asyncio.create_task(load())
+
+
+def _blend_wait_over(service: SidecarService) -> None:
+    if not service.blend_known:
+        log.warning("no blend settings read from etcd within %g s; ready with the flags' (%s r=%g) until the "
+                    "CacheShard's arrive", service.settings.blend_wait_seconds, service.blend_policy.method,
+                    service.blend_policy.ratio)
 
 
 async def _stop(app: web.Application) -> None:

@@ -77,6 +77,11 @@ class SidecarService:
         self.blend_policy = BlendPolicy(settings.method, settings.ratio, settings.shadow_sample_rate, "Flags")
         """The blend settings in force: the flags', until the followed CacheShard publishes its own."""
         self.blend_defaults = self._blend_settings(self.blend_policy)
+        self.blend_known = not settings.etcd_endpoints
+        """Whether the blend in force is known: at once without a CacheShard; following one, once its
+        published blend (or that there is none) was read from etcd (:meth:`blend_read`)."""
+        self.loaded_at: float | None = None
+        """``time.monotonic()`` when the model finished loading."""
         self.shadow = ShadowChecker(self.metrics, self._full_logits, budget_share=settings.shadow_budget_percent / 100,
                                     sample_rate=self.blend_policy.sample_rate)
         self.shadow.announce(self.blend_policy.method, self.blend_policy.ratio)
@@ -132,7 +137,22 @@ class SidecarService:
         if self.holders is not None:
             self.holders.set_item_keys({key: item for item, key in self.item_block_keys.items()})
         self.metrics.ready.labels(self.model_name).set(1)
+        self.loaded_at = time.monotonic()
         self.ready = True
+
+    def blend_read(self) -> None:
+        """The followed CacheShard's blend was read (what it publishes is in force, or the flags' if it
+        publishes none)."""
+        if not self.blend_known:
+            log.info("blend in force known: %s r=%g (%s)", self.blend_policy.method, self.blend_policy.ratio,
+                     self.blend_policy.reason)
+        self.blend_known = True
+
+    def awaiting_blend(self, now: float) -> bool:
+        """Whether readiness still waits for the followed CacheShard's blend (at most
+        ``blend_wait_seconds`` after the model loaded)."""
+        return not self.blend_known and (self.loaded_at is None
+                                         or now - self.loaded_at < self.settings.blend_wait_seconds)
 
     @property
     def builder(self) -> PromptBuilder:

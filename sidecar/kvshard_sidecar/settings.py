@@ -84,6 +84,10 @@ class SidecarSettings:
     etcd_key_file: Path | None = setting(None, "private key (PEM) of the etcd client certificate (tls.key)")
     etcd_server_name: str = setting("", "name etcd's server certificate must carry (empty: the host of the "
                                     "first endpoint)")
+    blend_wait_seconds: float = setting(
+        30.0, "following a CacheShard: how long /readyz waits, after the model loaded, for the CacheShard's blend "
+              "settings from etcd (the fidelity guard may have moved the ratio off the flags'); past it the pod "
+              "becomes ready with the flags' settings and says so in its log (etcd unreachable at start)")
     warm_history_users: int = setting(
         0, "users whose history blocks are warmed ahead, most active first (their last max_history items). "
            "Warming costs one prefill per user at startup and memory/disk for blocks that may never be asked "
@@ -91,7 +95,7 @@ class SidecarSettings:
            "request of each user then pays that prefill")
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "disk_bytes", "max_queue", "max_prompt_tokens"):
+        for name in ("memory_bytes", "disk_bytes", "max_queue", "max_prompt_tokens", "blend_wait_seconds"):
             if getattr(self, name) < 0:
                 raise settings_lib.SettingsError(f"{name} must be >= 0")
         for name in ("max_concurrency", "max_candidates", "max_new_tokens", "port"):

@@ -19,7 +19,7 @@ def start_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarF
     """Start sidecars with extra flags; every one is stopped at the end of the module."""
     started: list[ManagedProcess] = []
 
-    def start(*flags: str, name: str = "pod") -> Sidecar:
+    def start(*flags: str, name: str = "pod", wait_ready: bool = True) -> Sidecar:
         folder: Path = tmp_path_factory.mktemp(name)
         port = free_port()
         command = [sys.executable, "-m", "kvshard.cli", "--log-level", "WARNING", "sidecar", "serve",
@@ -27,7 +27,7 @@ def start_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarF
         env = {**os.environ, "KVSHARD_SIDECAR_PEER_TOKEN": PEER_TOKEN}
         process = ManagedProcess(command, folder / "sidecar.log", f"http://127.0.0.1:{port}/readyz", env=env)
         started.append(process)
-        process.start()
+        process.start(wait=wait_ready)
         return Sidecar(process, f"http://127.0.0.1:{port}")
 
     yield start

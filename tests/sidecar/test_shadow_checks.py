@@ -14,7 +14,7 @@ from sidecar_process import Sidecar, SidecarFactory
 from test_follow_placement import metric, wait_for
 
 from kvshard.blend_policy import BlendPolicy
-from kvshard.testing_servers import EtcdServer
+from kvshard.testing_servers import EtcdServer, free_port
 from kvshard_sidecar.shadow import Budget
 
 NAMESPACE, SHARD = "recs", "guarded"
@@ -57,8 +57,8 @@ def guarded(etcd_server: EtcdServer, start_sidecar: SidecarFactory) -> Iterator[
 @pytest.mark.model
 def test_the_blend_in_force_is_followed_and_sampled_requests_are_shadow_checked(
         guarded: Sidecar, etcd_server: EtcdServer) -> None:
-    # readiness means the model is loaded; the published blend arrives with the follower's first read
-    assert wait_for("ratio 0.15 in force", lambda: ask(guarded, "1")["blend"] == {"selector": "tail", "ratio": 0.15})
+    # ready means the published blend is in force: the first request already runs at its ratio
+    assert ask(guarded, "1")["blend"] == {"selector": "tail", "ratio": 0.15}
     for user in ("2", "3"):
         ask(guarded, user)
     done = wait_for("3 shadow checks", lambda: checks(guarded, "agree", "0.15") + checks(guarded, "disagree", "0.15")
@@ -91,6 +91,29 @@ def test_shadow_checks_are_shed_first_under_load(guarded: Sidecar, etcd_server: 
     skipped = wait_for("skipped checks", lambda: checks(guarded, "skipped", "0.2"))
     checked = checks(guarded, "agree", "0.2") + checks(guarded, "disagree", "0.2")
     assert skipped >= 1 and checked + skipped <= 15, (skipped, checked)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_readiness_waits_for_the_blend_and_gives_up_on_an_unreachable_etcd(start_sidecar: SidecarFactory) -> None:
+    silent = f"127.0.0.1:{free_port()}"  # nothing listens: the follower's first read never completes
+    pod = start_sidecar("--etcd-endpoints", silent, "--cacheshard", f"{NAMESPACE}/unreachable",
+                        "--blend-wait-seconds", "6", name="unreachable", wait_ready=False)
+    answers: list[tuple[int, str]] = []
+
+    def readiness() -> bool:
+        try:
+            status, body = pod.json("GET", "/readyz")
+        except OSError:  # not listening yet
+            return False
+        answers.append((status, body.get("error", {}).get("field", "") if status != 200 else "ready"))
+        return status == 200
+
+    assert wait_for("ready after the blend wait", readiness, timeout=180)
+    assert (503, "blend") in answers, answers  # the model was loaded, the blend not known
+    assert "no blend settings read from etcd within 6 s" in pod.process.log_path.read_text()
+    # ready with the flags' settings
+    assert ask(pod, "1")["blend"] == {"selector": "tail", "ratio": 0.3}
 
 
 def test_the_shadow_budget_fills_at_its_share_and_caps_at_the_burst() -> None:
