@@ -15,6 +15,12 @@ the operator embeds in process as before. Per reconcile, :func:`stage` plans the
   new attempt ``<shard>-embed-<plan id>-r<n>`` is created (up to :data:`MAX_ATTEMPTS`; the operator
   never deletes Jobs — ``ttlSecondsAfterFinished`` removes finished ones), and chunks already written
   are not embedded twice.
+
+Every Job is owned by its CacheShard (:func:`owned_by`, a controller ``ownerReference``), so deleting
+the CacheShard lets Kubernetes' garbage collector delete a Job still running for it, and
+``kubectl get jobs`` shows whose it is. ``blockOwnerDeletion`` stays false: setting it needs ``update``
+on ``cacheshards/finalizers``, a verb the operator's role does not otherwise need, and nothing has to
+wait for a Job before its CacheShard is gone (the chunks it wrote stay on the volume, reusable).
 """
 
 from __future__ import annotations
@@ -93,6 +99,13 @@ def manifest(namespace: str, shard: str, plan: Plan, parallelism: int, settings:
                              "persistentVolumeClaim": {"claimName": settings.embedding_volume_claim}}]}},
         },
     }
+
+
+def owned_by(body: Mapping[str, Any], owner: Mapping[str, str]) -> dict[str, Any]:
+    """``body`` with ``owner`` (``apiVersion``, ``kind``, ``name``, ``uid``) as its controller owner."""
+    reference = {**{k: owner[k] for k in ("apiVersion", "kind", "name", "uid")}, "controller": True,
+                 "blockOwnerDeletion": False}
+    return {**body, "metadata": {**body["metadata"], "ownerReferences": [reference]}}
 
 
 @dataclasses.dataclass(frozen=True)

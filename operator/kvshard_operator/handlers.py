@@ -106,6 +106,14 @@ def _pods(index: PodIndex | None, namespace: str | None) -> list[PodView]:
     return list(index.get(namespace, [])) if index is not None else []
 
 
+def _owner(name: str, meta: kopf.Meta) -> dict[str, str] | None:
+    """The CacheShard as the owner of what the operator creates for it (its embedding Jobs)."""
+    uid = meta.get("uid")
+    if not uid:
+        return None
+    return {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "name": name, "uid": str(uid)}
+
+
 async def _place(
     trigger: str, *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
     patch: kopf.Patch, memo: Any, pod_index: PodIndex | None, logger: kopf.Logger,
@@ -119,7 +127,8 @@ async def _place(
             generation=meta.get("generation"), pods=_pods(pod_index, namespace), settings=SETTINGS, state=state,
             trigger=trigger, logger=logger,
             read_configmap=kube.read_configmap, read_secret=kube.read_secret,
-            read_secret_key=kube.read_secret_key, preloaded=preloaded, jobs=kube.Jobs(),
+            read_secret_key=kube.read_secret_key, preloaded=preloaded,
+            jobs=kube.Jobs(owner=_owner(name, meta)),
         )
     published = outcome.published
     if published is not None and published != status.get("placementGeneration"):

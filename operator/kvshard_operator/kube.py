@@ -11,6 +11,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from kvshard_operator import embed_job
 from kvshard_operator.catalog import CatalogError
 
 
@@ -80,7 +81,11 @@ class JobApiError(RuntimeError):
 
 
 class Jobs:
-    """:class:`embed_job.JobApi` against the API server (create and get Jobs; never delete)."""
+    """:class:`embed_job.JobApi` against the API server (create and get Jobs; never delete). Jobs are
+    created owned by ``owner`` (the CacheShard: ``apiVersion``, ``kind``, ``name``, ``uid``) when given."""
+
+    def __init__(self, owner: Mapping[str, str] | None = None) -> None:
+        self.owner = owner
 
     def read_job(self, namespace: str, name: str) -> Mapping[str, Any] | None:
         import kubernetes
@@ -98,7 +103,8 @@ class Jobs:
         import kubernetes
 
         try:
-            _batch_api().create_namespaced_job(namespace, dict(body))
+            _batch_api().create_namespaced_job(namespace, embed_job.owned_by(body, self.owner) if self.owner
+                                               else dict(body))
         except kubernetes.client.ApiException as exc:
             if exc.status != 409:  # created meanwhile (an earlier attempt): the same plan, the same Job
                 raise JobApiError(f"creating Job in {namespace}: {exc.status} {exc.reason}") from exc

@@ -102,6 +102,10 @@ def test_the_embedding_job_is_tracked_its_failed_pod_reported_and_placement_foll
             job = wait_until(lambda: (cluster.get(JOBS).get("items") or [None])[0], what="the embedding Job")
             name, plan = job["metadata"]["name"], job["metadata"]["labels"]["kvshard.io/embedding-plan"]
             assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 3
+            owner = cluster.shard("hobbies")["metadata"]
+            assert job["metadata"]["ownerReferences"] == [  # deleting the CacheShard collects its Jobs
+                {"apiVersion": "kvshard.io/v1alpha1", "kind": "CacheShard", "name": "hobbies", "uid": owner["uid"],
+                 "controller": True, "blockOwnerDeletion": False}]
             assert job["spec"]["parallelism"] == 2
             pod = job["spec"]["template"]["spec"]
             assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "kvshard-embeddings"
