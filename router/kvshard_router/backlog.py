@@ -63,9 +63,8 @@ class Backlog(LoadTable):
         self._done = np.zeros(0)
         """Work finished since the pod last became busy."""
         self._rate = np.zeros(0)
-        """Token equivalents a pod finishes per clock unit while busy (0 until its first answer: no drain)."""
-        self._busy = np.zeros(0, dtype=np.int64)
-        """Requests in flight per slot."""
+        """Token equivalents a pod finishes per clock unit while busy (0 until its first answer: no drain).
+        Whether a pod is busy is :class:`LoadTable`'s in-flight count."""
         self._gather_for: tuple[str, ...] | None = None
         self._gather = np.zeros(0, dtype=np.int64)
         self._in_order = False
@@ -82,11 +81,10 @@ class Backlog(LoadTable):
                 grow = max(8, 2 * len(self._backlog))
                 for name in ("_backlog", "_at", "_busy_since", "_done", "_rate"):
                     setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
-                self._busy = np.concatenate([self._busy, np.zeros(grow, dtype=np.int64)])
         return j
 
-    def _drain(self, j: int, now: float) -> None:
-        if self._busy[j]:
+    def _drain(self, j: int, now: float, busy: bool) -> None:
+        if busy:
             self._backlog[j] = max(0.0, self._backlog[j] - self._rate[j] * (now - self._at[j]))
         self._at[j] = now
 
@@ -94,10 +92,10 @@ class Backlog(LoadTable):
         """A request of ``work`` token equivalents was forwarded to ``pod``."""
         now = self.clock()
         j = self._slot(pod)
-        self._drain(j, now)
-        if not self._busy[j]:
+        busy = self.get(pod) > 0
+        self._drain(j, now, busy)
+        if not busy:
             self._busy_since[j], self._done[j], self._backlog[j] = now, 0.0, 0.0
-        self._busy[j] += 1
         self._backlog[j] += work
         super().start(pod)
 
@@ -106,15 +104,14 @@ class Backlog(LoadTable):
         the work it finished since it last became busy over the time it has been busy since."""
         now = self.clock()
         j = self._slots.get(pod)
-        if j is not None and self._busy[j]:
-            self._drain(j, now)
-            self._busy[j] -= 1
+        if j is not None and self.get(pod) > 0:
+            self._drain(j, now, busy=True)
             self._done[j] += work
             busy = now - self._busy_since[j]
             if busy > 0 and self._done[j] > 0:
                 sample, rate = self._done[j] / busy, self._rate[j]
                 self._rate[j] = sample if rate == 0.0 else rate + self.smoothing * (sample - rate)
-            if not self._busy[j]:
+            if self.get(pod) <= 1:  # this was its last request in flight
                 self._backlog[j] = 0.0
         super().finish(pod)
 
