@@ -34,7 +34,13 @@ import torch
 from tqdm import tqdm
 
 from kvshard.datasets import Dataset, load_dataset
-from kvshard.prompts import PromptBuilder, RecommendationRequest, candidate_orders, sample_requests
+from kvshard.prompts import (
+    PromptBuilder,
+    RecommendationPrompt,
+    RecommendationRequest,
+    candidate_orders,
+    sample_requests,
+)
 from kvshard.ranking import QUALITY_METRICS, best_index, quality, random_quality
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
 from kvshard_bench.tables import format_cells
@@ -118,6 +124,43 @@ def meets_targets(row: Row) -> bool:
                 and row["max_label_share"] <= TARGETS["max_label_share"])
 
 
+class Answers:
+    """Each user's answers under each candidate order, per name (one model here; readouts or variants of
+    one model in the experiments that compare them on this bench's sample): the chosen candidate and its
+    label, and the answer's HR@1/HR@5/NDCG@10 — what :func:`summarize` reads."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.choices: dict[str, list[list[tuple[str, str]]]] = {name: [] for name in names}
+        self.metrics: dict[str, list[list[dict[str, float]]]] = {name: [] for name in names}
+
+    def next_user(self) -> None:
+        for name in self.choices:
+            self.choices[name].append([])
+            self.metrics[name].append([])
+
+    def add(self, name: str, built: RecommendationPrompt, scores: Sequence[float]) -> None:
+        """``scores`` of ``built``'s candidates, in its order, as the current user's next answer."""
+        chosen = best_index(scores)
+        self.choices[name][-1].append((built.request.candidates[chosen], built.labels[chosen]))
+        target = built.target_index
+        self.metrics[name][-1].append(quality(scores, target) if target is not None
+                                      else dict.fromkeys(QUALITY_METRICS, 0.0))
+
+    def rows(self, seed: int, prefix: str = "") -> list[Row]:
+        """One :func:`summarize` row per name (``model``: ``prefix`` + name), with ``targets_met``."""
+        rows: list[Row] = []
+        for name in self.choices:
+            row = summarize(self.choices[name], self.metrics[name], seed)
+            row["model"] = f"{prefix}{name}"
+            row["targets_met"] = meets_targets(row)
+            rows.append(row)
+        return rows
+
+
+def sample_line(users: int, candidates: int, history: int, orders: int, who: str = "held-out users") -> str:
+    return f"{users} {who}' last items, {candidates} candidates, history {history}, {orders} candidate orders each"
+
+
 def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
                    seed: int, progress: bool = True) -> Row:
     """Score every permutation of every request with full prefill; one summary row."""
@@ -129,29 +172,23 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
     engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
     # each model is asked as it was trained (a merged adapter records its template's label position)
     builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(path))
-    choices: list[list[tuple[str, str]]] = []
-    metrics: list[list[dict[str, float]]] = []
+    answers = Answers([loaded.identity.name])
     tokens: list[int] = []
     bar = tqdm(total=sum(len(o) for o in orders), desc=f"recommender {loaded.identity.name}", unit="prompt",
                disable=not progress)
     for user_orders in orders:
-        choices.append([])
-        metrics.append([])
+        answers.next_user()
         for request in user_orders:
             built = builder.build(request)
             with torch.inference_mode():
                 logits = engine.full(built.prompt).logits
-            scores = logits[list(built.label_token_ids)].tolist()
-            chosen = best_index(scores)
-            choices[-1].append((request.candidates[chosen], built.labels[chosen]))
-            target = built.target_index
-            metrics[-1].append(quality(scores, target) if target is not None else dict.fromkeys(QUALITY_METRICS, 0.0))
+            answers.add(loaded.identity.name, built, logits[list(built.label_token_ids)].tolist())
             tokens.append(len(built.prompt))
             bar.update()
     bar.close()
     row: Row = {"model": loaded.identity.name, "revision": loaded.identity.revision, "path": str(path),
                 "label_position": builder.template.label_position}
-    row.update(summarize(choices, metrics, seed))
+    row.update({k: v for k, v in answers.rows(seed)[0].items() if k not in ("model", "targets_met")})
     row["tokens"] = round(statistics.fmean(tokens)) if tokens else 0
     return row
 
@@ -184,8 +221,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         row = evaluate_model(path, dataset, orders, args.seed)
         row.update(expected, **sample, targets_met=meets_targets(row))
         rows.append(row)
-    print(f"{len(requests)} users' last items, {args.candidates} candidates, history {args.history}, "
-          f"{sample['permutations']} candidate orders each, seed {args.seed}, {sample['split']}")
+    print(f"{sample_line(len(requests), args.candidates, args.history, sample['permutations'], 'users')}, "
+          f"seed {args.seed}, {sample['split']}")
     print(format_table(rows, args.candidates, sample["permutations"]))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
