@@ -299,15 +299,23 @@ def test_an_etcd_outage_keeps_routing_then_converges(cluster: LocalCluster) -> N
     assert converged_after < 30.0
 
 
+RACE_ATTEMPTS = 3
+"""Spec changes tried until one lines the race up: an operator that takes a change only after etcd
+thawed (a slow watch under a loaded machine) reads the new ``current`` and has nothing to race for."""
+
+
 def test_two_operators_publish_exactly_one_generation_per_change(cluster: LocalCluster) -> None:
     cluster.wait_ready(timeout=120, progress=lambda line: None)
     second = cluster.start_operator("operator-2")
+    first_log = cluster.logs_dir / "operator.log"
+    attempts: list[dict[str, Any]] = []
     try:
-        first_log, second_log = cluster.logs_dir / "operator.log", second.log_path
+        second_log = second.log_path
         wait_until(lambda: "resume_shard" in second_log.read_text(errors="replace"), timeout=60,
                    what="the second operator to resume the CacheShard")
-        before = current_generation(cluster)
-        handled_before = first_log.read_text(errors="replace").count("update_shard")
+
+        def count(text: str) -> int:
+            return sum(log.read_text(errors="replace").count(text) for log in (first_log, second_log))
 
         seen: list[tuple[str, int]] = []
         errors: list[str] = []
@@ -318,50 +326,59 @@ def test_two_operators_publish_exactly_one_generation_per_change(cluster: LocalC
         reader.start()
         try:
             wait_until(lambda: seen, timeout=10, what="the reader's first placement")
-            # line the race up: etcd is frozen while both operators take the change, so both read
-            # `current` when it thaws and both try to publish the next generation
             (etcd,) = [info for info in cluster.processes() if info.name == "etcd"]
-            os.kill(etcd.pid, signal.SIGSTOP)
-            try:
-                cluster.api.patch(shard_path(cluster), {"spec": {"itemReplicas": 2}})
-                time.sleep(2.5)  # both take the change in well under that; the etcd deadline is 5 s
-            finally:
-                os.kill(etcd.pid, signal.SIGCONT)
-            changed_at = time.monotonic()
-            wait_until(lambda: current_generation(cluster) > before, timeout=60, what="a new generation")
-            published = time.monotonic() - changed_at
-            # both operators handled the change; the loser's retry (backoff 2 s) must publish nothing more
-            wait_until(lambda: first_log.read_text(errors="replace").count("update_shard") > handled_before
-                       and "update_shard" in second_log.read_text(errors="replace"), timeout=60,
-                       what="both operators to handle the spec change")
-            wait_until(lambda: condition(cluster.cacheshard(), "Degraded").get("status") != "True"
-                       and condition(cluster.cacheshard(), "Ready").get("status") == "True", timeout=60,
-                       what="the CacheShard Ready and not Degraded")
-            time.sleep(8.0)  # longer than the first two retry delays (2 s, 4 s)
-            settled = current_generation(cluster)
-            final = cluster.cacheshard()
+            for attempt in range(RACE_ATTEMPTS):
+                replicas = 2 if attempt % 2 == 0 else 1
+                before, conflicts_before = current_generation(cluster), count("GenerationConflict")
+                handled = [log.read_text(errors="replace").count("update_shard") for log in (first_log, second_log)]
+                # line the race up: etcd is frozen while both operators take the change, so both read
+                # `current` when it thaws and both try to publish the next generation
+                os.kill(etcd.pid, signal.SIGSTOP)
+                try:
+                    cluster.api.patch(shard_path(cluster), {"spec": {"itemReplicas": replicas}})
+                    time.sleep(2.5)  # both take the change in well under that; the etcd deadline is 5 s
+                finally:
+                    os.kill(etcd.pid, signal.SIGCONT)
+                changed_at = time.monotonic()
+                wait_until(lambda b=before: current_generation(cluster) > b, timeout=60, what="a new generation")
+                published = time.monotonic() - changed_at
+                # both operators handled the change; the loser's retry (backoff 2 s) must publish nothing more
+                wait_until(lambda h=handled: all(log.read_text(errors="replace").count("update_shard") > n
+                                              for log, n in zip((first_log, second_log), h, strict=True)),
+                           timeout=60, what="both operators to handle the spec change")
+                wait_until(lambda: condition(cluster.cacheshard(), "Degraded").get("status") != "True"
+                           and condition(cluster.cacheshard(), "Ready").get("status") == "True", timeout=60,
+                           what="the CacheShard Ready and not Degraded")
+                time.sleep(8.0)  # longer than the first two retry delays (2 s, 4 s)
+                attempts.append({"before": before, "settled": current_generation(cluster), "replicas": replicas,
+                                 "published_s": round(published, 1), "final": cluster.cacheshard(),
+                                 "conflicts": count("GenerationConflict") - conflicts_before})
+                if attempts[-1]["conflicts"]:
+                    break
         finally:
             stop.set()
             reader.join(timeout=30)
     finally:
         cluster.stop_operator("operator-2")
 
-    conflicts = sum(log.read_text(errors="replace").count("GenerationConflict") for log in (first_log, second_log))
-    print(f"FAULT: two operators: generation {before} -> {settled} published {published:.1f} s after etcd "
-          f"thawed; {conflicts} log lines of a lost compare-and-swap; reader saw generations "
-          f"{sorted({g for _, g in seen})} in {len(seen)} reads, {len(errors)} errors")
-    assert conflicts == 1, "both operators should have raced for the same generation; one loses the CAS"
-    assert settled == before + 1
-    assert condition(final, "Ready")["status"] == "True" and condition(final, "Degraded")["status"] == "False"
+    print(f"FAULT: two operators: {[{k: v for k, v in a.items() if k != 'final'} for a in attempts]}; reader saw "
+          f"generations {sorted({g for _, g in seen})} in {len(seen)} reads, {len(errors)} errors")
+    for outcome in attempts:  # every change, raced or not, publishes exactly one generation
+        assert outcome["settled"] == outcome["before"] + 1, outcome
+        assert condition(outcome["final"], "Ready")["status"] == "True"
+        assert condition(outcome["final"], "Degraded")["status"] == "False"
+    assert attempts[-1]["conflicts"] == 1, "in no attempt did both operators race for the same generation"
     assert not errors, errors
-    assert {g for _, g in seen} == {before, before + 1}, seen
+    first = attempts[0]["before"]
+    assert {g for _, g in seen} == set(range(first, first + len(attempts) + 1)), seen
     for source in ("watch", "read"):
         generations = [g for s, g in seen if s == source]
         assert generations == sorted(generations), (source, generations)  # never back to an older one
     assert not reader.is_alive()
-    cluster.wait_ready(timeout=180, progress=lambda line: None)  # both pods now warm every cluster
+    cluster.wait_ready(timeout=180, progress=lambda line: None)  # the pods now warm every cluster's replicas
     placement, _ = cluster.warm_reports()
-    assert placement is not None and all(len(h) == 2 for h in placement.assignment.values())
+    replicas = attempts[-1]["replicas"]
+    assert placement is not None and all(len(h) == replicas for h in placement.assignment.values())
 
 
 async def _read_placements(cluster: LocalCluster, items: int, seen: list[tuple[str, int]], errors: list[str],
