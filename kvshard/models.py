@@ -23,11 +23,16 @@ from kvshard.prompt_template import PromptTemplate
 
 BASE_NAME = "SmolLM2-135M-Instruct"
 FINETUNED_NAME = "SmolLM2-135M-MovieLens-Rec"
+SCORER_NAME = "SmolLM2-135M-MovieLens-Scorer"
 DEFAULT_MODEL = "finetuned"
 IDENTITY_FILE = "kvshard-identity.json"
 MERGE_RECORD = "kvshard-adapter.json"
+SCORERS = ("answer", "isolated")
+"""How a model ranks the candidates: by their label tokens at the answer position, or each one scored
+alone (:mod:`kvshard_sidecar.isolated_scorer`). A merged model records the one it was trained for."""
 MODEL_HELP = ("'finetuned' (the MovieLens recommender `kvshard model prepare` merges from the shipped adapter), "
-              "'base' (SmolLM2-135M-Instruct) or a model folder")
+              "'base' (SmolLM2-135M-Instruct), 'scorer' (the MovieLens isolated scorer: `kvshard bench recommender` "
+              "only, the sidecar does not serve it yet) or a model folder")
 
 
 def base_model_path() -> Path:
@@ -40,16 +45,22 @@ def finetuned_model_path() -> Path:
     return models_dir() / FINETUNED_NAME
 
 
+def scorer_model_path() -> Path:
+    """Where ``kvshard model prepare`` puts the merged isolated scorer (inside the user cache folder)."""
+    return models_dir() / SCORER_NAME
+
+
 def resolve_model(spec: str | Path | None, default: str = DEFAULT_MODEL) -> Path:
-    """A ``--model`` value as a folder: ``finetuned``, ``base`` or a path (``None``: ``default``)."""
+    """A ``--model`` value as a folder: ``finetuned``, ``scorer``, ``base`` or a path (``None``: ``default``)."""
     chosen = default if spec is None else spec
     if chosen == "base":
         return base_model_path()
-    if chosen == "finetuned":
-        path = finetuned_model_path()
+    merged = {"finetuned": finetuned_model_path, "scorer": scorer_model_path}.get(str(chosen))
+    if merged is not None:
+        path = merged()
         if not (path / IDENTITY_FILE).exists():
-            raise FileNotFoundError(f"the fine-tuned recommender is not prepared at {path}: run `kvshard model "
-                                    "prepare` (it merges the shipped adapter), or choose --model base")
+            raise FileNotFoundError(f"the merged model {chosen!r} is not prepared at {path}: run `kvshard model "
+                                    "prepare` (it merges the shipped adapters), or choose --model base")
         return path
     return Path(chosen).expanduser()
 
@@ -57,12 +68,37 @@ def resolve_model(spec: str | Path | None, default: str = DEFAULT_MODEL) -> Path
 def model_prompt(model: Path) -> dict[str, str]:
     """The ``spec.prompt`` fields a merged model was trained with (``{}``: the default template, also
     for the base model and for folders merged before this was recorded)."""
+    prompt = _merge_record(model).get("prompt")
+    return {str(k): str(v) for k, v in prompt.items()} if isinstance(prompt, dict) else {}
+
+
+def model_scorer(model: Path) -> str:
+    """How ``model`` was trained to rank (``"answer"`` for the base model, for folders merged before this
+    was recorded and where the merge record is unreadable; an unknown scorer name is an error)."""
+    scorer = _merge_record(model).get("scorer", "answer")
+    if scorer not in SCORERS:
+        raise ValueError(f"{model / MERGE_RECORD}: unknown scorer {scorer!r} (known: {', '.join(SCORERS)})")
+    return str(scorer)
+
+
+def scorer_refusal(model: Path, who: str) -> str | None:
+    """Why ``who`` — something that reads the answer position: the sidecar, the blend engine's fidelity
+    benchmark, vLLM — cannot use ``model`` (``None`` when it can): a model trained for another scorer
+    would be asked a question it was never trained to answer, and its "ranking" would be noise."""
+    scorer = model_scorer(model)
+    if scorer == "answer":
+        return None
+    return (f"{model.name} was trained to rank with the {scorer} scorer (each candidate scored alone), which "
+            f"{who} does not serve yet: it reads the label at the answer position, as 'finetuned' and 'base' "
+            "answer; `kvshard bench recommender --models scorer` measures this one")
+
+
+def _merge_record(model: Path) -> dict[str, object]:
     try:
         record = json.loads((model / MERGE_RECORD).read_text())
     except (OSError, ValueError):
         return {}
-    prompt = record.get("prompt") if isinstance(record, dict) else None
-    return {str(k): str(v) for k, v in prompt.items()} if isinstance(prompt, dict) else {}
+    return record if isinstance(record, dict) else {}
 
 
 def prompt_for_model(spec_prompt: Mapping[str, str] | None, trained: Mapping[str, str]) -> tuple[dict[str, str],

@@ -28,7 +28,7 @@ lose a third of HR@1 (the model was trained reading them in a list), and with ev
 positions — a candidate's state now a function of its item and its *letter* only — the answer still
 changes for 62 % of users: the letters alone scramble it. The item signal is small next to item × letter
 noise, so a recommender that must be order-free should not score through a letter at all:
-``isolated_scorer.py`` trains one that scores each candidate before its letter.
+``kvshard model finetune --scorer isolated`` trains one that scores each candidate before its letter.
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ from tqdm import tqdm
 from kvshard.datasets import load_dataset
 from kvshard.models import model_template, resolve_model
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
-from kvshard.segments import SegmentKind
 from kvshard.splits import UserSplit
 from kvshard_bench.recommender import Answers, format_table, permutations, sample_line
+from kvshard_sidecar.isolated_scorer import IsolatedInputs
 from kvshard_sidecar.model import load_model
 
 USERS = int(sys.argv[1]) if len(sys.argv) > 1 else 100
@@ -54,11 +54,9 @@ VARIANTS = ("causal", "isolated", "isolated+same positions")
 
 def candidate_blocks(built: RecommendationPrompt) -> tuple[int, list[tuple[int, int]], int]:
     """(end of the prefix, [start, end) of each candidate — its item and the label after it —, start of
-    the question), from the prompt's segments."""
-    spans = built.prompt.spans
-    items = [i for i, s in enumerate(spans) if s.segment.kind is SegmentKind.ITEM]
-    blocks = [(spans[i].start, spans[i + 1].end) for i in items]  # label after its item: the next segment
-    return blocks[0][0], blocks, blocks[-1][1]
+    the question): the isolated scorer's blocks."""
+    inputs = IsolatedInputs.of(built)
+    return inputs.prefix, list(inputs.blocks), inputs.blocks[-1][1]
 
 
 def mask_and_positions(built: RecommendationPrompt, variant: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:

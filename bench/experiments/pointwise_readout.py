@@ -34,7 +34,8 @@ from kvshard.models import model_template
 from kvshard.prompts import PromptBuilder, sample_requests
 from kvshard.splits import UserSplit
 from kvshard_bench.recommender import Answers, format_table, permutations, sample_line
-from kvshard_sidecar.finetune import answer_and_label_logits, label_positions, pointwise_readout
+from kvshard_sidecar.finetune import answer_and_label_logits, label_positions
+from kvshard_sidecar.isolated_scorer import readout_id
 from kvshard_sidecar.model import load_model
 
 PATH = Path(sys.argv[1])
@@ -47,7 +48,7 @@ dataset = load_dataset("movielens-100k")
 builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(PATH))
 if not builder.template.label_after:
     raise SystemExit("the pointwise readout needs a model trained with the label after its item")
-readout_id = pointwise_readout(loaded.tokenizer)
+readout = readout_id(loaded.tokenizer)
 requests = sample_requests(UserSplit().heldout_dataset(dataset), USERS, HISTORY, CANDIDATES, SEED)
 orders = permutations(requests, ORDERS, SEED)
 
@@ -60,7 +61,7 @@ with tqdm(total=len(requests) * ORDERS, desc="prompts") as bar:
             ids = torch.tensor([built.prompt.token_ids])
             positions = torch.tensor([label_positions(built)])
             with torch.inference_mode():
-                logits, pointwise = answer_and_label_logits(loaded.model, ids, positions, readout_id)
+                logits, pointwise = answer_and_label_logits(loaded.model, ids, positions, readout)
             assert pointwise is not None
             answers.add(READOUTS[0], built, logits[0, list(built.label_token_ids)].tolist())
             answers.add(READOUTS[1], built, pointwise[0].tolist())

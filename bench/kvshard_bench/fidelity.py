@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from kvshard.datasets import load_dataset
-from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_template, resolve_model
+from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_template, resolve_model, scorer_refusal
 from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, kendall_tau, quality, random_quality
 from kvshard_bench.attribution import format_attribution, run_attribution
@@ -189,6 +189,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         torch.set_num_threads(args.threads)
     dataset = load_dataset(args.dataset)
     model = resolve_model(args.model)
+    if refusal := scorer_refusal(model, "bench fidelity"):
+        raise SystemExit(refusal)
     engine = BlendEngine.load(model, MemoryBlockSource())
     tokenizer = engine_tokenizer(model)
     builder = PromptBuilder(tokenizer, dataset, template=model_template(model))

@@ -7,8 +7,10 @@ negatives the user never saw (:func:`kvshard.prompts.sample_requests`), from use
 never saw (:class:`kvshard.splits.UserSplit`) — and reports, per model:
 
 * ``hr1``, ``hr5``, ``ndcg10`` — ranking by the candidates' label logits at the answer position
-  (:mod:`kvshard.ranking`), averaged over users and candidate permutations, with a 95 % bootstrap
-  interval over users for HR@1, beside the random expectation;
+  (:mod:`kvshard.ranking`) — or, for a model merged from a ``--scorer isolated`` adapter, by each
+  candidate's isolated score (:mod:`kvshard_sidecar.isolated_scorer`; the row's ``scorer``) —,
+  averaged over users and candidate permutations, with a 95 % bootstrap interval over users for HR@1,
+  beside the random expectation;
 * ``position_consistency`` — share of users whose chosen candidate is the same item under every one
   of ``--permutations`` random orders of the candidates (1/K^(orders-1) for a random chooser);
 * ``max_label_share`` — share of all answers that went to the most chosen label letter (a
@@ -54,9 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvshard bench recommender``."""
     parser.add_argument("--dataset", default="movielens-100k", metavar="NAME|PATH",
                         help="built-in dataset name or folder (default: %(default)s)")
-    parser.add_argument("--models", nargs="+", default=["base", "finetuned"], metavar="base|finetuned|PATH",
-                        help="models to compare: 'base' (prepared SmolLM2), 'finetuned' (the merged adapter) or a "
-                             "model folder; a 'finetuned' that is not prepared is skipped (default: %(default)s)")
+    parser.add_argument("--models", nargs="+", default=["base", "finetuned", "scorer"],
+                        metavar="base|finetuned|scorer|PATH",
+                        help="models to compare: 'base' (prepared SmolLM2), 'finetuned' (the merged answer-position "
+                             "recommender), 'scorer' (the merged isolated scorer) or a model folder; a merged model "
+                             "that is not prepared is skipped (default: %(default)s)")
     parser.add_argument("--users", type=int, default=50, help="held-out users, one request each (default: %(default)s)")
     parser.add_argument("--history", type=int, default=30, help="history items per user (default: %(default)s)")
     parser.add_argument("--candidates", type=int, default=20,
@@ -75,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(spec: str) -> Path | None:
-    """'base' / 'finetuned' / a folder → a folder; ``None`` for a 'finetuned' that is not prepared."""
+    """'base' / 'finetuned' / 'scorer' / a folder → a folder; ``None`` for a merged model that is not prepared."""
     from kvshard.models import resolve_model as resolve
 
     try:
@@ -163,13 +167,25 @@ def sample_line(users: int, candidates: int, history: int, orders: int, who: str
 
 def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
                    seed: int, progress: bool = True) -> Row:
-    """Score every permutation of every request with full prefill; one summary row."""
-    from kvshard.models import model_template
+    """Score every permutation of every request with full prefill — the label logits at the answer position
+    through the blend engine, or for a model trained as an isolated scorer its per-candidate scores
+    (:mod:`kvshard_sidecar.isolated_scorer`, float32); one summary row."""
+    from kvshard.models import model_scorer, model_template
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
+    from kvshard_sidecar.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
     from kvshard_sidecar.model import load_model
 
     loaded = load_model(path)
     engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
+    scorer = model_scorer(path)
+    readout = readout_id(loaded.tokenizer)
+
+    def scores(built: RecommendationPrompt) -> list[float]:
+        if scorer == "isolated":
+            return isolated_scores(loaded.model, IsolatedInputs.of(built), readout).tolist()
+        logits = engine.full(built.prompt).logits
+        return logits[list(built.label_token_ids)].tolist()
+
     # each model is asked as it was trained (a merged adapter records its template's label position)
     builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(path))
     answers = Answers([loaded.identity.name])
@@ -181,13 +197,12 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
         for request in user_orders:
             built = builder.build(request)
             with torch.inference_mode():
-                logits = engine.full(built.prompt).logits
-            answers.add(loaded.identity.name, built, logits[list(built.label_token_ids)].tolist())
+                answers.add(loaded.identity.name, built, scores(built))
             tokens.append(len(built.prompt))
             bar.update()
     bar.close()
     row: Row = {"model": loaded.identity.name, "revision": loaded.identity.revision, "path": str(path),
-                "label_position": builder.template.label_position}
+                "label_position": builder.template.label_position, "scorer": scorer}
     row.update({k: v for k, v in answers.rows(seed)[0].items() if k not in ("model", "targets_met")})
     row["tokens"] = round(statistics.fmean(tokens)) if tokens else 0
     return row
@@ -215,8 +230,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     for spec in args.models:
         path = resolve_model(spec)
         if path is None:
-            print(f"skipping {spec!r}: no fine-tuned model is prepared (`kvshard model prepare` merges a shipped "
-                  "adapter; `kvshard model merge ADAPTER` merges your own)")
+            print(f"skipping {spec!r}: it is not prepared (`kvshard model prepare` merges the shipped "
+                  "adapters; `kvshard model merge ADAPTER` merges your own)")
             continue
         row = evaluate_model(path, dataset, orders, args.seed)
         row.update(expected, **sample, targets_met=meets_targets(row))

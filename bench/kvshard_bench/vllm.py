@@ -36,7 +36,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvshard.datasets import Dataset, load_dataset
-from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_template, resolve_model
+from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_template, resolve_model, scorer_refusal
 from kvshard.processes import ManagedProcess
 from kvshard.prompts import PromptBuilder, RecommendationRequest, sample_requests
 from kvshard.segments import Prompt
@@ -97,6 +97,8 @@ def _median_ms(values: Sequence[float]) -> float:
 def run(args: argparse.Namespace) -> list[Row]:
     dataset = load_dataset(args.dataset)
     model = resolve_model(args.model)
+    if refusal := scorer_refusal(model, "bench vllm"):
+        raise SystemExit(refusal)
     loaded = load_model(model)
     builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(model))
     firsts = sample_requests(dataset, args.users, args.history, args.candidates, seed=args.seed)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvshard.models import FINETUNED_NAME, IDENTITY_FILE, MERGE_RECORD
+from kvshard.models import FINETUNED_NAME, IDENTITY_FILE, MERGE_RECORD, SCORER_NAME
 from kvshard_sidecar.finetune_report import PROVENANCE_FILE, sha256_file
 from kvshard_sidecar.model import read_identity, write_identity
 
@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 SHIPPED_ADAPTERS = Path(__file__).parent / "adapters"
 MOVIELENS_ADAPTER = SHIPPED_ADAPTERS / "movielens-rec"
+MOVIELENS_SCORER_ADAPTER = SHIPPED_ADAPTERS / "movielens-scorer"
+SHIPPED = ((MOVIELENS_ADAPTER, FINETUNED_NAME), (MOVIELENS_SCORER_ADAPTER, SCORER_NAME))
+"""Each shipped adapter and the name of the prepared folder it is merged into."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."
@@ -178,7 +181,8 @@ def merge_adapter(base: Path, adapter_folder: Path, target: Path, name: str = FI
         write_identity(staging, name)
         record = {"adapter": adapter_folder.name, "adapter_sha256": adapter.sha256, "scale": scale,
                   "base": adapter.provenance["base"], "command": adapter.provenance.get("command"),
-                  "prompt": trained_prompt(adapter.provenance)}
+                  "prompt": trained_prompt(adapter.provenance),
+                  "scorer": (adapter.provenance.get("settings") or {}).get("scorer", "answer")}
         (staging / MERGE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         if target.exists():
             shutil.rmtree(target)
@@ -206,14 +210,14 @@ def is_current(target: Path, adapter_folder: Path) -> bool:
 
 
 def prepare_finetuned(base: Path, target: Path | None = None, adapter_folder: Path = MOVIELENS_ADAPTER,
-                      force: bool = False) -> Path | None:
+                      force: bool = False, name: str = FINETUNED_NAME) -> Path | None:
     """Merge the shipped adapter into ``base`` unless that merge is already there; ``None`` (and a log
     line) when the repository ships no adapter yet."""
     if not (adapter_folder / ADAPTER_WEIGHTS).exists():
         log.info("no fine-tuned adapter shipped at %s: only the base model is prepared", adapter_folder)
         return None
-    target = target or base.parent / FINETUNED_NAME
+    target = target or base.parent / name
     if not force and is_current(target, adapter_folder):
         log.info("fine-tuned model already prepared at %s", target)
         return target
-    return merge_adapter(base, adapter_folder, target)
+    return merge_adapter(base, adapter_folder, target, name)

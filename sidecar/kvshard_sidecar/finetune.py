@@ -24,6 +24,9 @@ the model's choice depends on the items:
   the candidates against the same target (:func:`mixed_cross_entropy`): K graded signals per request
   at no extra compute. Off by default: measured at a 50-minute budget it raised validation
   consistency (two orders .74 at step 403) but not held-out users' (README, "Models").
+* ``--scorer isolated`` trains the isolated scorer instead (:mod:`kvshard_sidecar.isolated_scorer`):
+  no answer position, each candidate scored alone from the prefix and its own item, the same mixed
+  cross-entropy over the K scores. Its ranking cannot depend on the candidate order.
 
 Throughput on a CPU decides what fits in an hour, so only the answer position's logits are computed
 (the decoder's last hidden state through ``lm_head``, not the 49,152-wide head on every position),
@@ -68,6 +71,7 @@ from kvshard_sidecar.finetune_report import (
 )
 from kvshard_sidecar.finetune_settings import FinetuneSettings, from_args
 from kvshard_sidecar.finetune_teacher import ItemKnnTeacher, teacher_quality
+from kvshard_sidecar.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
 from kvshard_sidecar.model import default_model_path, load_model
 
 log = logging.getLogger(__name__)
@@ -93,9 +97,12 @@ class Example:
     """The teacher's distribution over each order's K labels [P, K] (:mod:`kvshard_sidecar.finetune_teacher`)."""
     label_positions: torch.Tensor | None = None
     """Where each order's K label tokens stand in its prompt [P, K] (read by the pointwise term)."""
+    isolated: tuple[IsolatedInputs, ...] = ()
+    """Each order's candidate blocks, for ``--scorer isolated`` (:mod:`kvshard_sidecar.isolated_scorer`)."""
 
     @classmethod
-    def of(cls, *orders: RecommendationPrompt, soft: Sequence[Sequence[float]] | None = None) -> Example:
+    def of(cls, *orders: RecommendationPrompt, soft: Sequence[Sequence[float]] | None = None,
+           isolated: bool = False) -> Example:
         """The same request built under each candidate order (the first is the reference)."""
         first = orders[0]
         if any(o.target_index is None for o in orders):
@@ -109,7 +116,8 @@ class Example:
                    torch.tensor([o.target_index for o in orders], dtype=torch.long),
                    torch.tensor(alignment, dtype=torch.long),
                    None if soft is None else torch.tensor(soft, dtype=torch.float32),
-                   torch.tensor([label_positions(o) for o in orders], dtype=torch.long))
+                   torch.tensor([label_positions(o) for o in orders], dtype=torch.long),
+                   tuple(IsolatedInputs.of(o) for o in orders) if isolated else ())
 
     @property
     def orders(self) -> int:
@@ -138,8 +146,8 @@ def answer_logits(causal_lm: Any, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def answer_and_label_logits(causal_lm: Any, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                            readout_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`answer_logits`, and — given ``positions`` [batch, K] — the logit of token ``readout_id`` at
+                            readout_token: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`answer_logits`, and — given ``positions`` [batch, K] — the logit of token ``readout_token`` at
     each of those positions [batch, K] from the same forward pass (one row of ``lm_head``, not the head)."""
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
         hidden = causal_lm.model(input_ids=input_ids, use_cache=False).last_hidden_state
@@ -147,7 +155,7 @@ def answer_and_label_logits(causal_lm: Any, input_ids: torch.Tensor, positions: 
         readout = None
         if positions is not None:
             at_labels = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            readout = (at_labels @ causal_lm.lm_head.weight[readout_id].to(at_labels.dtype)).float()
+            readout = (at_labels @ causal_lm.lm_head.weight[readout_token].to(at_labels.dtype)).float()
     return logits.float(), readout
 
 
@@ -187,6 +195,23 @@ def order_disagreement(logits: torch.Tensor, label_ids: torch.Tensor, alignment:
                   + F.kl_div(second, first, log_target=True, reduction="sum"))
 
 
+def example_loss(causal_lm: Any, example: Example, settings: FinetuneSettings, readout: int) -> torch.Tensor:
+    """One training example's loss under ``settings``: the isolated scores' cross-entropy, or the answer's
+    label loss plus the optional pointwise and order-agreement terms."""
+    if example.isolated:
+        return mixed_cross_entropy(order_scores(causal_lm, example, readout), example.targets, example.soft,
+                                   settings.teacher_weight)
+    logits, scores = answer_and_label_logits(causal_lm, example.input_ids,
+                                             example.label_positions if settings.pointwise > 0 else None, readout)
+    loss = label_loss(logits, example.label_ids, example.targets, example.soft, settings.teacher_weight)
+    if scores is not None:
+        loss = loss + settings.pointwise * mixed_cross_entropy(scores, example.targets, example.soft,
+                                                          settings.teacher_weight)
+    if example.orders > 1:
+        loss = loss + settings.consistency * order_disagreement(logits, example.label_ids, example.alignment)
+    return loss
+
+
 def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1, time_used: float = 0.0) -> float:
     """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``floor`` by ``total`` steps — or by
     the end of the time budget when that comes first (``time_used``: the budget's spent share, 0–1), so a
@@ -197,8 +222,16 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1, time_used:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def order_scores(causal_lm: Any, example: Example, readout: int) -> torch.Tensor:
+    """Each order's K candidate scores [P, K] as the model ranks: the label logits at the answer position,
+    or — for an example built with ``isolated`` — each candidate's isolated log P(readout)."""
+    if example.isolated:
+        return torch.stack([isolated_scores(causal_lm, inputs, readout) for inputs in example.isolated])
+    return answer_logits(causal_lm, example.input_ids)[:, example.label_ids]
+
+
 @torch.inference_mode()
-def evaluate(causal_lm: Any, examples: Sequence[Example]) -> dict[str, float]:
+def evaluate(causal_lm: Any, examples: Sequence[Example], readout: int = 0) -> dict[str, float]:
     """Mean label-restricted loss, HR@1/HR@5/NDCG@10 (averaged over each example's candidate orders),
     the most chosen label's share and — for examples with several orders — ``position_consistency``,
     the share whose chosen item is the same under every order (the recommender bench's measure)."""
@@ -207,11 +240,11 @@ def evaluate(causal_lm: Any, examples: Sequence[Example]) -> dict[str, float]:
     chosen: Counter[int] = Counter()
     consistent = compared = answers = 0
     for example in examples:
-        logits = answer_logits(causal_lm, example.input_ids)
-        loss += float(label_loss(logits, example.label_ids, example.targets)) * example.orders
+        all_scores = order_scores(causal_lm, example, readout)
+        loss += float(F.cross_entropy(all_scores, example.targets)) * example.orders
         items = set()
         for order in range(example.orders):
-            scores = logits[order, example.label_ids].tolist()
+            scores = all_scores[order].tolist()
             best = best_index(scores)
             chosen[best] += 1
             items.add(int((example.alignment[order] == best).nonzero()[0, 0]))
@@ -229,18 +262,6 @@ def evaluate(causal_lm: Any, examples: Sequence[Example]) -> dict[str, float]:
         result["position_consistency"] = consistent / compared
     result["prompts"] = float(len(examples))
     return result
-
-
-POINTWISE_READOUT = " yes"
-
-
-def pointwise_readout(tokenizer: Any) -> int:
-    """The vocabulary row the pointwise term reads at each label token (``" yes"``: a single token in
-    SmolLM2's vocabulary; any fixed row would do, this one reads as what it is trained to mean)."""
-    ids = tokenizer.encode(POINTWISE_READOUT, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(f"the pointwise readout {POINTWISE_READOUT!r} must be one token, got {ids}")
-    return int(ids[0])
 
 
 def lora_model(model: Any, settings: FinetuneSettings) -> Any:
@@ -327,10 +348,12 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
                                                                     r.candidates.index(str(r.target)))
                                                                    for r in validation))}
         log.info("item-kNN teacher on the validation prompts: %s", teacher_record["validation"])
-    examples = [Example.of(*(builder.build(o) for o in orders), soft=s)
+    isolated = settings.scorer == "isolated"
+    examples = [Example.of(*(builder.build(o) for o in orders), soft=s, isolated=isolated)
                 for orders, s in zip(training_orders, soft, strict=True)]
     return TrainingData(dataset.name, {**split.describe(dataset), "training_users_used": len(users)},
-                        examples, [Example.of(*(builder.build(o) for o in orders)) for orders in validation_orders],
+                        examples, [Example.of(*(builder.build(o) for o in orders), isolated=isolated)
+                                   for orders in validation_orders],
                         teacher_record)
 
 
@@ -349,7 +372,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
              len(examples), steps, settings.accumulation, len(data.validation),
              sum(e.input_ids.shape[1] for e in examples[:64]) / min(64, len(examples)))
 
-    readout_id = pointwise_readout(loaded.tokenizer)
+    readout = readout_id(loaded.tokenizer)
     peft_model = lora_model(loaded.model, settings)
     causal_lm = peft_model.get_base_model()
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
@@ -372,15 +395,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
         batch = examples[step * settings.accumulation:(step + 1) * settings.accumulation]
         step_loss = 0.0
         for example in batch:
-            logits, scores = answer_and_label_logits(causal_lm, example.input_ids,
-                                                     example.label_positions if settings.pointwise > 0 else None,
-                                                     readout_id)
-            loss = label_loss(logits, example.label_ids, example.targets, example.soft, settings.teacher_weight)
-            if scores is not None:
-                loss = loss + settings.pointwise * mixed_cross_entropy(scores, example.targets, example.soft,
-                                                                  settings.teacher_weight)
-            if example.orders > 1:
-                loss = loss + settings.consistency * order_disagreement(logits, example.label_ids, example.alignment)
+            loss = example_loss(causal_lm, example, settings, readout)
             torch.autograd.backward(loss / len(batch))
             step_loss += float(loss.detach()) / len(batch)
         if settings.clip > 0:
@@ -395,11 +410,11 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
         bar.update()
         bar.set_postfix(loss=f"{ema:.3f}")
         if settings.val_every and done_steps % settings.val_every == 0 and done_steps < steps:
-            last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out)
+            last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
     bar.close()
     elapsed = time.perf_counter() - started
     if last is None or last["step"] != done_steps:
-        last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out)
+        last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
     save_adapter(peft_model, out, base["name"])
     write_provenance(out, settings, base, data, curve, done_steps, done_examples, elapsed, last)
     log.info("adapter, curve and provenance written to %s (%.1f min)", out, elapsed / 60)
@@ -407,10 +422,10 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
 
 
 def _validate(peft_model: Any, causal_lm: Any, validation: Sequence[Example], curve: LossCurve, step: int,
-              out: Path) -> dict[str, float]:
+              out: Path, readout: int) -> dict[str, float]:
     peft_model.eval()
     started = time.perf_counter()
-    result = evaluate(causal_lm, validation)
+    result = evaluate(causal_lm, validation, readout)
     peft_model.train()
     result = {"step": float(step), **result, "seconds": time.perf_counter() - started}
     curve.validation.append(result)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvshard import settings as settings_lib
+from kvshard.models import SCORERS
 from kvshard.prompt_template import LABEL_POSITIONS
 from kvshard.settings import setting
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT
@@ -72,6 +73,11 @@ class FinetuneSettings:
                                     "--label-position after, where the label has read its item); 0 (the default: "
                                     "at 1.0 in a 50-minute budget, on all 191 held-out users, HR@1 .260 vs .267 "
                                     "and consistency .41 vs .41 without it) = off")
+    scorer: str = setting("answer", "how the model ranks: 'answer' (the candidates' label tokens at the answer "
+                                    "position, after reading them all as a list) or 'isolated' (each candidate's "
+                                    "log P(' yes') where its label opens, having read only the prefix and its own "
+                                    "item, every candidate at the same positions: the same ranking under every "
+                                    "candidate order; needs --label-position after; the merge records it)")
     seed: int = setting(0, "seed of the data sampling, candidate shuffles and LoRA initialisation")
     threads: int = setting(2, "torch threads")
     precision: str = setting("bfloat16", "'bfloat16': the frozen base weights in bfloat16 and its matmuls under "
@@ -102,6 +108,12 @@ class FinetuneSettings:
         if self.pointwise > 0 and self.label_position != "after":
             raise settings_lib.SettingsError("--pointwise needs --label-position after: a label before its item "
                                              "has not read it, so its score says nothing about the item")
+        if self.scorer not in SCORERS:
+            raise settings_lib.SettingsError(f"--scorer must be one of {', '.join(SCORERS)}")
+        if self.scorer == "isolated" and (self.label_position != "after" or self.consistency or self.pointwise):
+            raise settings_lib.SettingsError("--scorer isolated needs --label-position after (it reads where each "
+                                             "label opens, after its item) and no --consistency or --pointwise "
+                                             "(its ranking does not depend on the order; it has no answer position)")
         if self.minutes <= 0 or self.lr <= 0:
             raise settings_lib.SettingsError("--minutes and --lr must be positive")
 

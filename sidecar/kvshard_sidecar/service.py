@@ -27,7 +27,7 @@ from typing import Any, Literal
 from kvshard.blend_policy import BlendPolicy
 from kvshard.catalog_schema import Catalog
 from kvshard.datasets import Dataset, DatasetError, Item, load_dataset
-from kvshard.models import model_prompt, prompt_for_model, resolve_model
+from kvshard.models import model_prompt, prompt_for_model, resolve_model, scorer_refusal
 from kvshard.prompt_template import PromptTemplate
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
 from kvshard.ranking import rank_candidates
@@ -104,8 +104,11 @@ class SidecarService:
     def load(self) -> None:
         """Load catalog and model (seconds); the API answers 503 until this returns."""
         from kvshard_sidecar.engine.blend import BlendEngine
-        from kvshard_sidecar.model import load_model
+        from kvshard_sidecar.model import UnsupportedModelError, load_model
 
+        refusal = scorer_refusal(self.model_path, "the sidecar")
+        if refusal:
+            raise UnsupportedModelError(refusal)
         try:
             self._dataset = load_dataset(self.settings.dataset)
         except DatasetError as error:

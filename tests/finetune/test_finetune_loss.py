@@ -71,7 +71,7 @@ def test_the_pointwise_readout_is_the_models_logit_at_each_label_position(tiny_l
     positions = torch.tensor([[3, 7, 11], [2, 9, 15]])
     with torch.no_grad():
         full = tiny_llama(input_ids=ids).logits
-        answer, readout = answer_and_label_logits(tiny_llama, ids, positions, readout_id=5)
+        answer, readout = answer_and_label_logits(tiny_llama, ids, positions, readout_token=5)
     assert readout is not None and readout.shape == (2, 3)
     assert torch.allclose(answer, full[:, -1], atol=1e-5)
     assert torch.allclose(readout, full[torch.arange(2).unsqueeze(1), positions, 5], atol=1e-5)

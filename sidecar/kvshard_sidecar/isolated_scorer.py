@@ -1,0 +1,108 @@
+"""The isolated scorer: each candidate scored from the prefix and its own item alone, so order cannot matter.
+
+Why it exists. A recommender that reads the candidates as one list and answers with a label letter
+changes its answer with the candidate order: measured on the shipped answer-position recommender, the
+chosen item is the same under three orders for only 41 % of held-out users, and the experiments in
+``bench/experiments`` located the cause in the candidates' states (each reads the ones before it, and
+its letter), not in the readout. The isolated scorer removes both by construction:
+
+* every candidate (its item tokens and the ``" ["`` that opens its label) attends to the prefix —
+  system, history, the ``Candidates:`` header — and to itself, never to another candidate;
+* every candidate stands at the same positions, right behind the prefix;
+* its score is ``log P(" yes")`` at that ``" ["`` token, before its letter is read.
+
+So a score is a function of (prefix, item) only, and the ranking is the same under every order up to
+floating-point ties. All K candidates are scored in one forward pass over the prompt up to the last
+candidate, with a block mask (the question after the candidates is not needed). The same numbers come
+from K causal prompts ``prefix + item + " ["`` — the shape of kvshard's cache: the prefix is the
+history block, each candidate an item block at a fixed position — and the score is a log-probability,
+not a raw logit, so an engine that returns log-probabilities (vLLM's ``prompt_logprobs``) reads the
+same value as one that returns logits.
+
+Measured at issue 20's training budget (``kvshard model finetune --scorer isolated``): README, "Models".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvshard.prompts import RecommendationPrompt
+from kvshard.segments import SegmentKind
+
+READOUT = " yes"
+
+
+def readout_id(tokenizer: Any) -> int:
+    """The vocabulary row read at each candidate (``" yes"``: one token in SmolLM2's vocabulary; any
+    fixed row would do, this one reads as what it is trained to mean)."""
+    ids = tokenizer.encode(READOUT, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"the readout {READOUT!r} must be one token, got {ids}")
+    return int(ids[0])
+
+
+@dataclass(frozen=True)
+class IsolatedInputs:
+    """Where a prompt's candidates stand: ``blocks`` [start, end) of each candidate (its item and the
+    label after it), and ``readouts``, the position of each candidate's label opening (``" ["``)."""
+
+    token_ids: tuple[int, ...]
+    blocks: tuple[tuple[int, int], ...]
+    readouts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, built: RecommendationPrompt) -> IsolatedInputs:
+        """From a prompt whose template puts each label after its item (``labelPosition: after``)."""
+        spans = built.prompt.spans
+        items = [i for i, s in enumerate(spans) if s.segment.kind is SegmentKind.ITEM]
+        if not items:
+            raise ValueError("the prompt has no candidates")
+        if items[-1] + 1 >= len(spans) or any(spans[i + 1].segment.kind is not SegmentKind.FREE for i in items):
+            raise ValueError("the isolated scorer needs each label after its item (labelPosition: after)")
+        blocks = tuple((spans[i].start, spans[i + 1].end) for i in items)
+        end = blocks[-1][1]
+        return cls(tuple(built.prompt.token_ids[:end]), blocks, tuple(spans[i + 1].start for i in items))
+
+    @property
+    def prefix(self) -> int:
+        """Tokens every candidate reads: everything before the first candidate."""
+        return self.blocks[0][0]
+
+    def mask_and_positions(self, items_read_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention mask [1, 1, T, T] (True = may attend: causal, minus other candidates) and the
+        position ids [1, T] (every candidate from the prefix's end).
+
+        ``items_read_prefix=False`` also hides the prefix from each candidate's item tokens (only its
+        label opening reads it): the item's keys and values are then those of the item prefilled alone,
+        RoPE-rotated to the prefix's end — exactly what a cached item block re-rotated there holds — so
+        serving from cache needs one recomputed token per candidate."""
+        end = len(self.token_ids)
+        allowed = torch.ones(end, end, dtype=torch.bool).tril()
+        positions = torch.arange(end)
+        for (start, stop), opening in zip(self.blocks, self.readouts, strict=True):
+            allowed[start:stop, self.prefix:start] = False
+            if not items_read_prefix:
+                allowed[start:opening, :self.prefix] = False
+            positions[start:stop] = torch.arange(self.prefix, self.prefix + stop - start)
+        return allowed[None, None], positions[None]
+
+
+def isolated_scores(causal_lm: Any, inputs: IsolatedInputs, readout: int, items_read_prefix: bool = True
+                    ) -> torch.Tensor:
+    """Each candidate's ``log P(readout)`` at its label opening, [K] in float32, from one forward pass
+    (``items_read_prefix``: :meth:`IsolatedInputs.mask_and_positions`).
+
+    A bfloat16 model runs under autocast (training); the head and the log-softmax run in float32: a
+    bfloat16 score of ~-20 is rounded to steps of 0.125, and near-ties would then break by place."""
+    mask, positions = inputs.mask_and_positions(items_read_prefix)
+    ids = torch.tensor([inputs.token_ids], device=causal_lm.device)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
+        hidden = causal_lm.model(input_ids=ids, attention_mask=mask.to(ids.device),
+                                 position_ids=positions.to(ids.device), use_cache=False).last_hidden_state
+    at = hidden[0, list(inputs.readouts)].float()
+    logits = at @ causal_lm.lm_head.weight.float().T
+    scores: torch.Tensor = torch.log_softmax(logits, dim=-1)[:, readout]
+    return scores
