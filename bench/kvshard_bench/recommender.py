@@ -176,15 +176,17 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
     from kvshard_sidecar.model import load_model
 
     loaded = load_model(path)
-    engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
     scorer = model_scorer(path)
-    readout = readout_id(loaded.tokenizer)
+    if scorer == "isolated":
+        readout = readout_id(loaded.tokenizer)
 
-    def scores(built: RecommendationPrompt) -> list[float]:
-        if scorer == "isolated":
+        def scores(built: RecommendationPrompt) -> list[float]:
             return isolated_scores(loaded.model, IsolatedInputs.of(built), readout).tolist()
-        logits = engine.full(built.prompt).logits
-        return logits[list(built.label_token_ids)].tolist()
+    else:
+        engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
+
+        def scores(built: RecommendationPrompt) -> list[float]:
+            return engine.full(built.prompt).logits[list(built.label_token_ids)].tolist()
 
     # each model is asked as it was trained (a merged adapter records its template's label position)
     builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(path))
