@@ -27,12 +27,15 @@ SCORER_NAME = "SmolLM2-135M-MovieLens-Scorer"
 DEFAULT_MODEL = "finetuned"
 IDENTITY_FILE = "kvshard-identity.json"
 MERGE_RECORD = "kvshard-adapter.json"
-SCORERS = ("answer", "isolated")
+SCORERS = ("answer", "isolated", "late")
 """How a model ranks the candidates: by their label tokens at the answer position, or each one scored
-alone (:mod:`kvshard_sidecar.isolated_scorer`). A merged model records the one it was trained for."""
+alone (:mod:`kvshard_sidecar.isolated_scorer`) — its item tokens reading the prefix (``isolated``) or
+only themselves, the label opening alone reading the prefix (``late`` interaction: what a cached item
+block holds). A merged model records the one it was trained for."""
 MODEL_HELP = ("'finetuned' (the MovieLens recommender `kvshard model prepare` merges from the shipped adapter), "
-              "'base' (SmolLM2-135M-Instruct), 'scorer' (the MovieLens isolated scorer: `kvshard bench recommender` "
-              "only, the sidecar does not serve it yet) or a model folder")
+              "'base' (SmolLM2-135M-Instruct), 'scorer' (the MovieLens scorer: each candidate scored alone, so the "
+              "ranking is the same under every candidate order; served in rank mode only) or "
+              "a model folder")
 
 
 def base_model_path() -> Path:
@@ -82,15 +85,16 @@ def model_scorer(model: Path) -> str:
 
 
 def scorer_refusal(model: Path, who: str) -> str | None:
-    """Why ``who`` — something that reads the answer position: the sidecar, the blend engine's fidelity
-    benchmark, vLLM — cannot use ``model`` (``None`` when it can): a model trained for another scorer
-    would be asked a question it was never trained to answer, and its "ranking" would be noise."""
+    """Why ``who`` — something that reads the answer position through vLLM — cannot use ``model`` (``None``
+    when it can): a model trained for another scorer would be asked a question it was never trained to
+    answer, and its "ranking" would be noise."""
     scorer = model_scorer(model)
     if scorer == "answer":
         return None
     return (f"{model.name} was trained to rank with the {scorer} scorer (each candidate scored alone), which "
-            f"{who} does not serve yet: it reads the label at the answer position, as 'finetuned' and 'base' "
-            "answer; `kvshard bench recommender --models scorer` measures this one")
+            f"{who} does not serve: it asks vLLM for the label tokens at the answer position, as 'finetuned' and "
+            "'base' answer; the embedded engine serves it (`kvshard sidecar serve --engine embedded`, "
+            "`kvshard bench fidelity`)")
 
 
 def _merge_record(model: Path) -> dict[str, object]:

@@ -32,6 +32,7 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from kvshard.datasets import load_dataset
-from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_template, resolve_model, scorer_refusal
+from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_scorer, model_template, resolve_model
 from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, kendall_tau, quality, random_quality
 from kvshard_bench.attribution import format_attribution, run_attribution
@@ -49,6 +50,7 @@ from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings, Memo
 from kvshard_sidecar.engine.contexts import averaging_contexts
 from kvshard_sidecar.engine.methods import method_settings as named_settings
 from kvshard_sidecar.engine.settings import PREFILL_CONTEXTS
+from kvshard_sidecar.isolated_scorer import Readout, scoring_prompt
 
 Row = dict[str, Any]
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.3)
@@ -92,9 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per request and method (default: 1)")
-    parser.add_argument("--prefill-context", choices=list(PREFILL_CONTEXTS), default="system",
+    parser.add_argument("--prefill-context", choices=list(PREFILL_CONTEXTS), default=None,
                         help="how segment blocks are prefilled; 'averaged': item blocks averaged over "
-                             "--appearances seeded in-list contexts (default: %(default)s)")
+                             "--appearances seeded in-list contexts (default: the sidecar's for the model: "
+                             "'history' for a late-interaction scorer, whose items read only themselves, "
+                             "else 'system')")
     parser.add_argument("--appearances", type=int, default=3,
                         help="in-list appearances an 'averaged' item block is averaged over (default: %(default)s)")
     parser.add_argument("--neutral-text", default=None,
@@ -134,7 +138,7 @@ def base_settings(args: argparse.Namespace, neutral: tuple[int, ...] = (),
     return BlendSettings(
         neutral_context=neutral if args.prefill_context == "neutral" else (),
         averaged_contexts=averaged if args.prefill_context == "averaged" else (),
-        prefill_context=args.prefill_context, deviation_on=args.deviation_on,
+        prefill_context=args.prefill_context or "system", deviation_on=args.deviation_on,
         deviation_weight=args.deviation_weight,
         check_layers=tuple(args.check_layers), recompute_free=args.recompute_free,
     )
@@ -168,17 +172,29 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
     return max(0.0, float((p.exp() * (p - q)).sum()))
 
 
+def candidate_scores(result: BlendResult, request: RecommendationPrompt) -> list[float]:
+    """What ranks the candidates: the isolated scorer's scores, or the label logits at the answer position."""
+    if result.scores is not None:
+        return [float(s) for s in result.scores.tolist()]
+    return [float(s) for s in result.logits[list(request.label_token_ids)].tolist()]
+
+
 def score(full: BlendResult, result: BlendResult, request: RecommendationPrompt) -> dict[str, float]:
-    """Fidelity of ``result`` to ``full`` and its recommendation quality, for one request."""
-    labels = torch.tensor(request.label_token_ids)
-    ref_labels, label_logits = full.logits[labels].tolist(), result.logits[labels].tolist()
+    """Fidelity of ``result`` to ``full`` and its recommendation quality, for one request.
+
+    For the isolated scorer there is no first-token distribution: ``kl`` is then the label KL (over the
+    softmax of the K candidates' scores) and ``token_top1_agreement`` the candidate agreement."""
+    ref_labels, label_logits = candidate_scores(full, request), candidate_scores(result, request)
     target = request.target_index
+    label_kl = kl_divergence(torch.tensor(ref_labels), torch.tensor(label_logits))
+    top1 = float(best_index(ref_labels) == best_index(label_logits))
+    scorer = result.scores is not None
     return {
-        "kl": kl_divergence(full.logits, result.logits),
-        "label_kl": kl_divergence(torch.tensor(ref_labels), torch.tensor(label_logits)),
+        "kl": label_kl if scorer else kl_divergence(full.logits, result.logits),
+        "label_kl": label_kl,
         "tau": kendall_tau(ref_labels, label_logits),
-        "top1_agreement": float(best_index(ref_labels) == best_index(label_logits)),
-        "token_top1_agreement": float(int(full.logits.argmax()) == int(result.logits.argmax())),
+        "top1_agreement": top1,
+        "token_top1_agreement": top1 if scorer else float(int(full.logits.argmax()) == int(result.logits.argmax())),
         **(quality(label_logits, target) if target is not None else {}),
     }
 
@@ -189,10 +205,15 @@ def run(args: argparse.Namespace) -> list[Row]:
         torch.set_num_threads(args.threads)
     dataset = load_dataset(args.dataset)
     model = resolve_model(args.model)
-    if refusal := scorer_refusal(model, "bench fidelity"):
-        raise SystemExit(refusal)
-    engine = BlendEngine.load(model, MemoryBlockSource())
     tokenizer = engine_tokenizer(model)
+    scorer = model_scorer(model)
+    readout = Readout.for_model(tokenizer, scorer)
+    if args.prefill_context is None:
+        args.prefill_context = "history" if scorer == "late" else "system"
+    if readout is not None and (args.attribution or args.memory or any("+ape" in m for m in args.methods or ())):
+        raise SystemExit(f"{model.name} ranks with the isolated scorer: --attribution, --memory and +ape measure "
+                         "the answer position's prefill and are not built for it")
+    engine = BlendEngine.load(model, MemoryBlockSource())
     builder = PromptBuilder(tokenizer, dataset, template=model_template(model))
     neutral = tuple(tokenizer.encode(neutral_text(builder.template, args.neutral_text), add_special_tokens=False))
     averaged = in_list_contexts(builder, tokenizer, args.appearances, args.seed) \
@@ -215,7 +236,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             calibration = _calibration(args, engine, model, builder, dataset, history, candidates,
                                        base_settings(args, neutral, averaged), [r.user_id for r in sampled])
             methods = method_settings(args, neutral, calibration, averaged)
-            found = measure(args, engine, requests, methods)
+            found = measure(args, engine, requests, methods, readout)
             rows += [{**size, **row} for row in found]
     if not args.attribution:
         several_sizes = len(args.history) * len(args.candidates) > 1  # one table: rows must say their size
@@ -271,26 +292,28 @@ def _calibration(args: argparse.Namespace, engine: BlendEngine, model: Path, bui
 
 
 def measure(args: argparse.Namespace, engine: BlendEngine, requests: Sequence[RecommendationPrompt],
-            methods: Sequence[tuple[str, float, BlendSettings]]) -> list[Row]:
-    """Every method on every request (interleaved per request); the summarized rows."""
+            methods: Sequence[tuple[str, float, BlendSettings]], readout: Readout | None = None) -> list[Row]:
+    """Every method on every request (interleaved per request); the summarized rows. With ``readout``
+    the model is an isolated scorer: every path scores the candidates of the :func:`scoring_prompt`."""
     samples: dict[tuple[str, float], list[dict[str, float]]] = {}
     cold_ms: list[float] = []
     engine.full(requests[0].prompt)  # warm up allocator and kernels; not timed
     progress = tqdm(total=len(requests) * (len(methods) + 3), desc="fidelity", unit="run")
     for request in requests:
-        prompt = request.prompt
+        prompt = request.prompt if readout is None else scoring_prompt(request)
         for context in sorted({s.prefill_context for _, _, s in methods}):  # store every block kind once, untimed
-            cold = engine.blend(prompt, next(s for _, _, s in methods if s.prefill_context == context))
+            cold = engine.blend(prompt, next(s for _, _, s in methods if s.prefill_context == context),
+                                readout=readout)
             if context == args.prefill_context:
                 cold_ms.append(cold.ttft_s * 1e3)
         progress.update()
-        full = _timed(args.repeats, engine.full, prompt)
+        full = _timed(args.repeats, partial(engine.full, prompt, readout=readout))
         progress.update()
         runs: list[tuple[str, float, BlendResult]] = [("full", 1.0, full)]
-        runs.append(("prefix", PREFIX_RATIO, _timed(args.repeats, engine.prefix, prompt)))
+        runs.append(("prefix", PREFIX_RATIO, _timed(args.repeats, partial(engine.prefix, prompt, readout=readout))))
         progress.update()
         for name, ratio, settings in methods:
-            runs.append((name, ratio, _timed(args.repeats, engine.blend, prompt, settings)))
+            runs.append((name, ratio, _timed(args.repeats, partial(engine.blend, prompt, settings, readout=readout))))
             progress.update()
         for name, ratio, result in runs:
             row = score(full, result, request)
@@ -341,9 +364,9 @@ def engine_tokenizer(model: Path) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
-def _timed(repeats: int, call: Callable[..., BlendResult], *call_args: Any) -> BlendResult:
-    """The run with the median TTFT among ``repeats`` runs of ``call(*call_args)``."""
-    results = [call(*call_args) for _ in range(max(1, repeats))]
+def _timed(repeats: int, call: Callable[[], BlendResult]) -> BlendResult:
+    """The run with the median TTFT among ``repeats`` runs of ``call()``."""
+    results = [call() for _ in range(max(1, repeats))]
     results.sort(key=lambda r: r.ttft_s)
     return results[len(results) // 2]
 

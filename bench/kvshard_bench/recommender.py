@@ -167,26 +167,25 @@ def sample_line(users: int, candidates: int, history: int, orders: int, who: str
 
 def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
                    seed: int, progress: bool = True) -> Row:
-    """Score every permutation of every request with full prefill — the label logits at the answer position
-    through the blend engine, or for a model trained as an isolated scorer its per-candidate scores
-    (:mod:`kvshard_sidecar.isolated_scorer`, float32); one summary row."""
+    """Score every permutation of every request with the blend engine's full prefill — the label logits at
+    the answer position, or for a model trained as an isolated scorer its per-candidate scores
+    (:mod:`kvshard_sidecar.isolated_scorer`, float32 head); one summary row."""
     from kvshard.models import model_scorer, model_template
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
-    from kvshard_sidecar.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
+    from kvshard_sidecar.isolated_scorer import Readout, scoring_prompt
     from kvshard_sidecar.model import load_model
 
     loaded = load_model(path)
     scorer = model_scorer(path)
-    if scorer == "isolated":
-        readout = readout_id(loaded.tokenizer)
+    readout = Readout.for_model(loaded.tokenizer, scorer)
+    engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
 
-        def scores(built: RecommendationPrompt) -> list[float]:
-            return isolated_scores(loaded.model, IsolatedInputs.of(built), readout).tolist()
-    else:
-        engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
-
-        def scores(built: RecommendationPrompt) -> list[float]:
-            return engine.full(built.prompt).logits[list(built.label_token_ids)].tolist()
+    def scores(built: RecommendationPrompt) -> list[float]:
+        if readout is None:
+            return [float(s) for s in engine.full(built.prompt).logits[list(built.label_token_ids)].tolist()]
+        scored = engine.full(scoring_prompt(built), readout=readout).scores
+        assert scored is not None
+        return [float(s) for s in scored.tolist()]
 
     # each model is asked as it was trained (a merged adapter records its template's label position)
     builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(path))

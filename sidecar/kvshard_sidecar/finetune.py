@@ -102,7 +102,7 @@ class Example:
 
     @classmethod
     def of(cls, *orders: RecommendationPrompt, soft: Sequence[Sequence[float]] | None = None,
-           isolated: bool = False) -> Example:
+           isolated: bool = False, items_read_prefix: bool = True) -> Example:
         """The same request built under each candidate order (the first is the reference)."""
         first = orders[0]
         if any(o.target_index is None for o in orders):
@@ -117,7 +117,7 @@ class Example:
                    torch.tensor(alignment, dtype=torch.long),
                    None if soft is None else torch.tensor(soft, dtype=torch.float32),
                    torch.tensor([label_positions(o) for o in orders], dtype=torch.long),
-                   tuple(IsolatedInputs.of(o) for o in orders) if isolated else ())
+                   tuple(IsolatedInputs.of(o, items_read_prefix) for o in orders) if isolated else ())
 
     @property
     def orders(self) -> int:
@@ -348,11 +348,13 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
                                                                     r.candidates.index(str(r.target)))
                                                                    for r in validation))}
         log.info("item-kNN teacher on the validation prompts: %s", teacher_record["validation"])
-    isolated = settings.scorer == "isolated"
-    examples = [Example.of(*(builder.build(o) for o in orders), soft=s, isolated=isolated)
+    isolated, items_read_prefix = settings.scorer != "answer", settings.scorer == "isolated"
+    examples = [Example.of(*(builder.build(o) for o in orders), soft=s, isolated=isolated,
+                           items_read_prefix=items_read_prefix)
                 for orders, s in zip(training_orders, soft, strict=True)]
     return TrainingData(dataset.name, {**split.describe(dataset), "training_users_used": len(users)},
-                        examples, [Example.of(*(builder.build(o) for o in orders), isolated=isolated)
+                        examples, [Example.of(*(builder.build(o) for o in orders), isolated=isolated,
+                                              items_read_prefix=items_read_prefix)
                                    for orders in validation_orders],
                         teacher_record)
 

@@ -77,7 +77,10 @@ class FinetuneSettings:
                                     "position, after reading them all as a list) or 'isolated' (each candidate's "
                                     "log P(' yes') where its label opens, having read only the prefix and its own "
                                     "item, every candidate at the same positions: the same ranking under every "
-                                    "candidate order; needs --label-position after; the merge records it)")
+                                    "candidate order; needs --label-position after; the merge records it) or "
+                                    "'late' (the same, but an item's tokens read only themselves — as its cached "
+                                    "block holds them — and its label opening reads the prefix and the item: "
+                                    "served exactly from cached item blocks, recomputing the labels only)")
     seed: int = setting(0, "seed of the data sampling, candidate shuffles and LoRA initialisation")
     threads: int = setting(2, "torch threads")
     precision: str = setting("bfloat16", "'bfloat16': the frozen base weights in bfloat16 and its matmuls under "
@@ -110,9 +113,9 @@ class FinetuneSettings:
                                              "has not read it, so its score says nothing about the item")
         if self.scorer not in SCORERS:
             raise settings_lib.SettingsError(f"--scorer must be one of {', '.join(SCORERS)}")
-        if self.scorer == "isolated" and (self.label_position != "after" or self.consistency or self.pointwise):
-            raise settings_lib.SettingsError("--scorer isolated needs --label-position after (it reads where each "
-                                             "label opens, after its item) and no --consistency or --pointwise "
+        if self.scorer != "answer" and (self.label_position != "after" or self.consistency or self.pointwise):
+            raise settings_lib.SettingsError(f"--scorer {self.scorer} needs --label-position after (it reads where "
+                                             "each label opens, after its item) and no --consistency or --pointwise "
                                              "(its ranking does not depend on the order; it has no answer position)")
         if self.minutes <= 0 or self.lr <= 0:
             raise settings_lib.SettingsError("--minutes and --lr must be positive")

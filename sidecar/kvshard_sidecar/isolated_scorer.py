@@ -19,7 +19,17 @@ history block, each candidate an item block at a fixed position — and the scor
 not a raw logit, so an engine that returns log-probabilities (vLLM's ``prompt_logprobs``) reads the
 same value as one that returns logits.
 
-Measured at issue 20's training budget (``kvshard model finetune --scorer isolated``): README, "Models".
+Two variants, recorded by the merge as the model's scorer (:data:`kvshard.models.SCORERS`):
+
+* ``isolated`` — a candidate's item tokens read the prefix: the history shapes every item token;
+* ``late`` (late interaction) — an item's tokens read only themselves, and only its label opening reads
+  the prefix and the item. Its item KV is then the item prefilled alone, RoPE-rotated to the prefix's
+  end: exactly a cached item block, so the blend engine serves it from cache recomputing the labels
+  alone, with nothing lost (``prefill_context`` ``history``).
+
+The blend engine serves both (``readout``: :class:`Readout`, :meth:`BlendEngine.blend`), the sidecar in
+rank mode, and through vLLM as one request per candidate carrying its blended KV.
+Measured at issue 20's training budget (``kvshard model finetune --scorer isolated|late``): README, "Models".
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from typing import Any
 import torch
 
 from kvshard.prompts import RecommendationPrompt
-from kvshard.segments import SegmentKind
+from kvshard.segments import Prompt, SegmentKind
 
 READOUT = " yes"
 
@@ -45,6 +55,24 @@ def readout_id(tokenizer: Any) -> int:
 
 
 @dataclass(frozen=True)
+class Readout:
+    """How a scorer model's candidates are read: the vocabulary row at each label opening, and whether
+    its items read the prefix (``isolated``) or only themselves (``late``)."""
+
+    token: int
+    items_read_prefix: bool = True
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, scorer: str) -> Readout | None:
+        """The readout of a model trained for ``scorer`` (``None`` for ``answer``: it answers with a label)."""
+        if scorer == "answer":
+            return None
+        if scorer not in ("isolated", "late"):
+            raise ValueError(f"unknown scorer {scorer!r}")
+        return cls(readout_id(tokenizer), scorer == "isolated")
+
+
+@dataclass(frozen=True)
 class IsolatedInputs:
     """Where a prompt's candidates stand: ``blocks`` [start, end) of each candidate (its item and the
     label after it), and ``readouts``, the position of each candidate's label opening (``" ["``)."""
@@ -52,26 +80,34 @@ class IsolatedInputs:
     token_ids: tuple[int, ...]
     blocks: tuple[tuple[int, int], ...]
     readouts: tuple[int, ...]
+    items_read_prefix: bool = True
+    """Whether a candidate's item tokens read the prefix (scorer ``isolated``) or only themselves
+    (``late``): see :meth:`mask_and_positions`."""
 
     @classmethod
-    def of(cls, built: RecommendationPrompt) -> IsolatedInputs:
+    def of(cls, built: RecommendationPrompt, items_read_prefix: bool = True) -> IsolatedInputs:
         """From a prompt whose template puts each label after its item (``labelPosition: after``)."""
-        spans = built.prompt.spans
+        return cls.of_prompt(scoring_prompt(built), items_read_prefix)
+
+    @classmethod
+    def of_prompt(cls, prompt: Prompt, items_read_prefix: bool = True) -> IsolatedInputs:
+        """From a :func:`scoring_prompt`: its ITEM segments are the candidates, each with the label after it."""
+        spans = prompt.spans
         items = [i for i, s in enumerate(spans) if s.segment.kind is SegmentKind.ITEM]
         if not items:
             raise ValueError("the prompt has no candidates")
-        if items[-1] + 1 >= len(spans) or any(spans[i + 1].segment.kind is not SegmentKind.FREE for i in items):
-            raise ValueError("the isolated scorer needs each label after its item (labelPosition: after)")
+        if items[-1] + 2 != len(spans) or any(spans[i + 1].segment.kind is not SegmentKind.FREE for i in items):
+            raise ValueError("the isolated scorer needs each label after its item (labelPosition: after), the "
+                             "prompt ending at the last label")
         blocks = tuple((spans[i].start, spans[i + 1].end) for i in items)
-        end = blocks[-1][1]
-        return cls(tuple(built.prompt.token_ids[:end]), blocks, tuple(spans[i + 1].start for i in items))
+        return cls(tuple(prompt.token_ids), blocks, tuple(spans[i + 1].start for i in items), items_read_prefix)
 
     @property
     def prefix(self) -> int:
         """Tokens every candidate reads: everything before the first candidate."""
         return self.blocks[0][0]
 
-    def mask_and_positions(self, items_read_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def mask_and_positions(self, items_read_prefix: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention mask [1, 1, T, T] (True = may attend: causal, minus other candidates) and the
         position ids [1, T] (every candidate from the prefix's end).
 
@@ -79,6 +115,8 @@ class IsolatedInputs:
         label opening reads it): the item's keys and values are then those of the item prefilled alone,
         RoPE-rotated to the prefix's end — exactly what a cached item block re-rotated there holds — so
         serving from cache needs one recomputed token per candidate."""
+        if items_read_prefix is None:
+            items_read_prefix = self.items_read_prefix
         end = len(self.token_ids)
         allowed = torch.ones(end, end, dtype=torch.bool).tril()
         positions = torch.arange(end)
@@ -90,7 +128,19 @@ class IsolatedInputs:
         return allowed[None, None], positions[None]
 
 
-def isolated_scores(causal_lm: Any, inputs: IsolatedInputs, readout: int, items_read_prefix: bool = True
+def scoring_prompt(built: RecommendationPrompt) -> Prompt:
+    """The part of a recommendation prompt the scorer reads: up to the last candidate's label (the
+    question after the candidates is not needed); refused unless each label follows its item."""
+    segments = built.prompt.segments
+    items = [i for i, s in enumerate(segments) if s.kind is SegmentKind.ITEM]
+    if not items:
+        raise ValueError("the prompt has no candidates")
+    if items[-1] + 1 >= len(segments) or any(segments[i + 1].kind is not SegmentKind.FREE for i in items):
+        raise ValueError("the isolated scorer needs each label after its item (labelPosition: after)")
+    return Prompt.of(segments[: items[-1] + 2])
+
+
+def isolated_scores(causal_lm: Any, inputs: IsolatedInputs, readout: int, items_read_prefix: bool | None = None
                     ) -> torch.Tensor:
     """Each candidate's ``log P(readout)`` at its label opening, [K] in float32, from one forward pass
     (``items_read_prefix``: :meth:`IsolatedInputs.mask_and_positions`).

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from kvshard.blend_policy import BlendPolicy
 from kvshard.catalog_schema import Catalog
 from kvshard.datasets import Dataset, DatasetError, Item, load_dataset
-from kvshard.models import model_prompt, prompt_for_model, resolve_model, scorer_refusal
+from kvshard.models import model_prompt, model_scorer, prompt_for_model, resolve_model
 from kvshard.prompt_template import PromptTemplate
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
 from kvshard.ranking import rank_candidates
@@ -37,6 +37,7 @@ from kvshard_sidecar.blockstore import BlockStore, encode_block
 from kvshard_sidecar.engine.methods import method_settings
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.exchange import KVExchange
+from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout, scoring_prompt
 from kvshard_sidecar.metrics import SidecarMetrics
 from kvshard_sidecar.peers import HoldersOf, PeerFetcher, PlacementHolders, static_holders
 from kvshard_sidecar.pressure import PressureTracker
@@ -66,6 +67,10 @@ class SidecarService:
         self.model_name = self.model_path.name
         # a fine-tuned model is asked as it was trained (its label position) unless a CacheShard says otherwise
         self.trained_prompt = model_prompt(self.model_path)
+        self.scorer = model_scorer(self.model_path)
+        """How the model ranks (:data:`kvshard.models.SCORERS`): at the answer position, or each candidate
+        scored alone (:mod:`kvshard_sidecar.isolated_scorer`, embedded engine only)."""
+        self.readout: Readout | None = None
         self.metrics = SidecarMetrics(self.model_name, self.store.stats, cacheshard=settings.cacheshard,
                                       pressure=PressureTracker(settings.max_concurrency, settings.ttft_target_seconds,
                                                                settings.pressure_window_seconds))
@@ -104,11 +109,8 @@ class SidecarService:
     def load(self) -> None:
         """Load catalog and model (seconds); the API answers 503 until this returns."""
         from kvshard_sidecar.engine.blend import BlendEngine
-        from kvshard_sidecar.model import UnsupportedModelError, load_model
+        from kvshard_sidecar.model import load_model
 
-        refusal = scorer_refusal(self.model_path, "the sidecar")
-        if refusal:
-            raise UnsupportedModelError(refusal)
         try:
             self._dataset = load_dataset(self.settings.dataset)
         except DatasetError as error:
@@ -129,6 +131,7 @@ class SidecarService:
                                    self.store, self.blend_defaults)
         eos = loaded.tokenizer.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        self.readout = Readout.for_model(loaded.tokenizer, self.scorer)
         self.limits = Limits(min(self.settings.max_candidates, self._builder.max_candidates),
                              self.settings.max_history, self.settings.max_new_tokens,
                              num_layers=self._engine.executor.shape.num_layers)
@@ -205,7 +208,10 @@ class SidecarService:
     def _blend_settings(self, policy: BlendPolicy) -> BlendSettings:
         """The engine settings of a blend policy on this sidecar's device (``--selector``, when given,
         replaces the method's selector: the flag of sidecars older than named methods)."""
-        base = BlendSettings(device=self.settings.device, dtype=self.settings.dtype)
+        # a late-interaction scorer's items read only themselves: blocks prefilled alone behind an exact
+        # history serve it exactly (:mod:`kvshard_sidecar.isolated_scorer`)
+        base = BlendSettings(device=self.settings.device, dtype=self.settings.dtype,
+                             prefill_context="history" if self.scorer == "late" else "system")
         if self.settings.selector and policy.reason == "Flags":
             return base.with_(selector=self.settings.selector, ratio=policy.ratio)
         return method_settings(policy.method, policy.ratio, base)
@@ -228,13 +234,21 @@ class SidecarService:
         self.shadow.announce(policy.method, policy.ratio)
 
     def _full_logits(self, prompt: Prompt) -> Any:
-        """First-token logits of a full prefill (the shadow check's reference; worker thread)."""
+        """First-token logits of a full prefill — for a scorer model, the candidates' scores (the shadow
+        check's reference; worker thread)."""
+        if self.readout is not None:
+            return self._engine.full(prompt, readout=self.readout).scores
         return self._engine.full(prompt).logits
 
     def _offer_shadow(self, built: RecommendationPrompt, call: RecommendCall, result: Any) -> None:
-        """Sample a request blended with the settings in force for a shadow check (embedded engine)."""
+        """Sample a request blended with the settings in force for a shadow check (embedded engine). A
+        scorer's check compares the candidates' scores (its KL is over their softmax)."""
         if self._vllm is None and call.blend == self.blend_defaults:
             policy = self.blend_policy
+            if self.readout is not None and result.scores is not None:
+                self.shadow.offer(scoring_prompt(built), tuple(range(len(result.scores))), result.scores,
+                                  policy.method, policy.ratio)
+                return
             self.shadow.offer(built.prompt, tuple(built.label_token_ids), result.logits, policy.method, policy.ratio)
 
     def build(self, call: RecommendCall) -> RecommendationPrompt:
@@ -262,6 +276,9 @@ class SidecarService:
         (worker thread)."""
         started = time.perf_counter()
         built = self.build(call)
+        if call.mode != "rank" and self.readout is not None:
+            raise RequestError("mode", f"{self.model_name} ranks the candidates (the {self.scorer} scorer scores "
+                               "each one alone) and does not generate: ask \"mode\": \"rank\"", status=422)
         if call.mode == "rank":
             result, scores, ttft_s, extra = self._label_scores(built, call)
             ranking = rank_candidates(built.request.candidates, built.labels, scores)
@@ -296,8 +313,14 @@ class SidecarService:
     def _label_scores(self, built: RecommendationPrompt, call: RecommendCall
                       ) -> tuple[Any, list[float], float, dict[str, float]]:
         """Each candidate's label score at the answer position: the embedded engine's logits, or
-        vLLM's full-vocabulary log-probabilities of the label tokens (same order up to a constant)."""
+        vLLM's full-vocabulary log-probabilities of the label tokens (same order up to a constant) —
+        or, for a scorer model, each candidate's score read alone (:meth:`_scores_through_vllm`)."""
         labels = built.label_token_ids
+        if self.readout is not None:
+            if self._vllm is not None:
+                return self._scores_through_vllm(built, call)
+            result = self._engine.blend(scoring_prompt(built), call.blend, readout=self.readout)
+            return result, result.scores.tolist(), result.ttft_s, {}
         if self._vllm is None:
             result = self._engine.blend(built.prompt, call.blend)
             return result, result.logits[list(labels)].tolist(), result.ttft_s, {}
@@ -305,6 +328,37 @@ class SidecarService:
         result, completion, ttft_s, extra = self._through_vllm(
             built, call, lambda tokens: vllm.label_logprobs(tokens, labels))
         return result, [completion.top_logprobs[t] for t in labels], ttft_s, extra
+
+    def _scores_through_vllm(self, built: RecommendationPrompt, call: RecommendCall
+                             ) -> tuple[Any, list[float], float, dict[str, float]]:
+        """A scorer through vLLM: blend the scoring prompt here, then one vLLM request per candidate,
+        ``prefix + item + " ["``, with its KV — the prefix's rows and that candidate's, at the positions
+        they were blended at — in the exchange: vLLM computes only the label opening and returns
+        ``log P(readout)``. The K requests go at once (vLLM batches them)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        assert self._exchange is not None and self._vllm is not None and self.readout is not None
+        vllm, readout, exchange = self._vllm, self.readout.token, self._exchange
+        prompt = scoring_prompt(built)
+        result = self._engine.blend(prompt, call.blend, readout=self.readout)
+        inputs = IsolatedInputs.of_prompt(prompt)
+        started = time.perf_counter()
+        asks: list[list[int]] = []
+        for (start, _), opening in zip(inputs.blocks, inputs.readouts, strict=True):
+            rows = [*range(inputs.prefix), *range(start, opening + 1)]
+            asks.append([inputs.token_ids[row] for row in rows])
+            exchange.write(asks[-1], result.kv.keys[:, :, rows], result.kv.values[:, :, rows])
+        exchange_s = time.perf_counter() - started
+        try:
+            with ThreadPoolExecutor(len(asks), thread_name_prefix="vllm-scores") as pool:
+                completions = list(pool.map(lambda tokens: vllm.label_logprobs(tokens, [readout]), asks))
+        finally:
+            for tokens in asks:  # the connector removes each after loading; this covers failures
+                exchange.remove(tokens)
+        first_token_s = max(c.first_token_s for c in completions)
+        extra = {"exchange_ms": round(exchange_s * 1000, 3), "vllm_first_token_ms": round(first_token_s * 1000, 3)}
+        return (result, [c.top_logprobs[readout] for c in completions], result.ttft_s + exchange_s + first_token_s,
+                extra)
 
     def _generate(self, built: RecommendationPrompt, call: RecommendCall
                   ) -> tuple[Any, list[int], str, dict[int, float], float, dict[str, float]]:

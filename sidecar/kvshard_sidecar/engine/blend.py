@@ -64,6 +64,19 @@ from kvshard_sidecar.engine.selectors import (
 )
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.engine.source import BlockSource, MemoryBlockSource, tier_name
+from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where each KV row stands and what it may see, when that is not "row ``p`` is position ``p``,
+    causal": batched segment prefill (every segment from one position, blind to the others) and the
+    isolated scorer's candidates (:mod:`kvshard_sidecar.isolated_scorer`)."""
+
+    positions: torch.Tensor
+    """long ``[N]``: the RoPE position of every row."""
+    allowed: torch.Tensor
+    """bool ``[N, N]``: row ``i`` may attend to row ``j``."""
 
 
 @dataclass
@@ -109,6 +122,8 @@ class BlendEngine:
         context_key = block_key(self.identity, context_segment) if context_segment else ""
         neutral = later_text(settings) if context_segment is not None else None
         later_key = f"{context_key}+{block_key(self.identity, neutral, context_key)}" if neutral else context_key
+        if settings.prefill_context == "history":
+            later_key = ""  # alone at position 0: standalone's blocks
         averaged_key = context_tag([f"{context_key}+{block_key(self.identity, text, context_key)}"
                                     for text in appearance_texts(settings)])
         keys = []
@@ -154,9 +169,11 @@ class BlendEngine:
         # query row i (segment a, local t) may see the context and rows of segment a up to t
         same = owner[:, None] == owner[None, :]
         causal = local[None, :] <= local[:, None]
-        mask = torch.cat((torch.ones(len(rows), before, dtype=torch.bool, device=ex.device), same & causal), 1)
+        allowed = torch.ones(total, total, dtype=torch.bool, device=ex.device).tril()
+        allowed[before:, before:] = same & causal
+        positions = torch.cat((torch.arange(before, device=ex.device), local + before))
         steps = Plan(rows, torch.zeros(total, dtype=torch.bool), (), "kv")
-        self._run(kv, ids, steps, causal=False, need_hidden=False, positions=local + before, mask=mask)
+        self._run(kv, ids, steps, causal=False, need_hidden=False, geometry=Geometry(positions, allowed))
         blocks = []
         offset = before
         for n in lengths:
@@ -203,8 +220,10 @@ class BlendEngine:
             stats.timings["compute"] += time.perf_counter() - start
         return [block for block in found if block is not None]
 
-    def _assemble(self, prompt: Prompt, settings: BlendSettings, upto: int | None) -> _Assembly:
-        """Fetch/compute blocks of segments ``[0, upto)`` (never the suffix) into a rotated KV buffer."""
+    def _assemble(self, prompt: Prompt, settings: BlendSettings, upto: int | None,
+                  geometry: Geometry | None = None) -> _Assembly:
+        """Fetch/compute blocks of segments ``[0, upto)`` (never the suffix) into a KV buffer, each at its
+        rows and rotated to its position (its first row's, or ``geometry``'s)."""
         ex, shape = self.executor, self.executor.shape
         segments = prompt.segments
         cached = len(segments) - 1 if upto is None else min(upto, len(segments) - 1)
@@ -215,7 +234,8 @@ class BlendEngine:
             stats.query_tokens[segment.kind.value] = stats.query_tokens.get(segment.kind.value, 0) + len(segment)
         spans = prompt.spans
         fetched = self._blocks(prompt, settings, cached, stats)
-        blocks = [(spans[index].start, block) for index, block in enumerate(fetched)]
+        at = (lambda row: row) if geometry is None else (lambda row: int(geometry.positions[row]))
+        blocks = [(spans[index].start, at(spans[index].start), block) for index, block in enumerate(fetched)]
         start = time.perf_counter()
         self._place(kv, blocks)
         self._sync()
@@ -240,8 +260,10 @@ class BlendEngine:
             if not group:
                 continue
             neutral = later_text(settings)
-            context = system if kind == "alone" or neutral is None else self._neutral_context(
+            context: KVBlock | None = system if kind == "alone" or neutral is None else self._neutral_context(
                 system, neutral, keys[0], stats)
+            if kind == "later" and settings.prefill_context == "history":
+                context = None
             over = [self._neutral_context(system, text, keys[0], stats)
                     for text in appearance_texts(settings)] if kind == "averaged" else []
             blocks = self._fetch_or_compute([segments[i] for i in group], [keys[i] for i in group], context, stats,
@@ -273,17 +295,18 @@ class BlendEngine:
         return KVBlock(torch.cat((system.keys, moved.to(system.keys)), 2),
                        torch.cat((system.values, block.values.to(system.values)), 2))
 
-    def _place(self, kv: KVBuffer, blocks: Sequence[tuple[int, KVBlock]]) -> None:
-        """Copy blocks to their rows and re-rotate each key row by its block's offset (one pass per layer)."""
+    def _place(self, kv: KVBuffer, blocks: Sequence[tuple[int, int, KVBlock]]) -> None:
+        """Copy each ``(row, position, block)`` to its rows and re-rotate its keys from ``0..T-1`` to
+        ``position..position+T-1`` (one pass per layer)."""
         if not blocks:
             return
         device = self.executor.device
         shifts = torch.zeros(kv.capacity, dtype=torch.long)
-        for offset, block in blocks:
+        for offset, position, block in blocks:
             end = offset + block.num_tokens
             kv.keys[:, :, offset:end] = block.keys.to(device=device, dtype=kv.keys.dtype)
             kv.values[:, :, offset:end] = block.values.to(device=device, dtype=kv.values.dtype)
-            shifts[offset:end] = offset
+            shifts[offset:end] = position
         moved = torch.nonzero(shifts).reshape(-1)
         if moved.numel() == 0:
             return
@@ -296,11 +319,13 @@ class BlendEngine:
     # ----------------------------------------------------------------- prefill paths
 
     @torch.inference_mode()
-    def full(self, prompt: Prompt) -> BlendResult:
-        """Reference: an ordinary causal prefill of the whole prompt through the same executor."""
+    def full(self, prompt: Prompt, readout: Readout | None = None) -> BlendResult:
+        """Reference: an ordinary causal prefill of the whole prompt through the same executor (with
+        ``readout``, the isolated scorer's full prefill: see :meth:`blend`)."""
         ex, shape = self.executor, self.executor.shape
         start = time.perf_counter()
         n = len(prompt)
+        scoring = self._scoring(prompt, readout)
         kv = KVBuffer.empty(shape.num_layers, shape.num_kv_heads, n, shape.head_dim, ex.dtype, ex.device)
         ids = torch.tensor(prompt.token_ids, dtype=torch.long, device=ex.device)
         everything = torch.arange(n, device=ex.device)
@@ -308,36 +333,54 @@ class BlendEngine:
         timings = {"fetch": 0.0, "compute": 0.0, "assemble": 0.0}
         kinds = {k.value: v for k, v in prompt.tokens_by_kind().items()}
         stats = _Assembly(kv, 0, timings, kinds, {}, {})
-        return self._finish("full", prompt, ids, steps, stats, start, causal=True)
+        return self._finish("full", prompt, ids, steps, stats, start, causal=scoring is None, scoring=scoring)
 
     @torch.inference_mode()
-    def prefix(self, prompt: Prompt, settings: BlendSettings | None = None) -> BlendResult:
+    def prefix(self, prompt: Prompt, settings: BlendSettings | None = None, readout: Readout | None = None
+               ) -> BlendResult:
         """Baseline: what a prefix cache does at best — reuse the exact-prefix blocks, prefill the rest."""
         settings = settings or self.settings.with_(prefill_context="system", neutral_context=(),
                                                        averaged_contexts=())
         start = time.perf_counter()
+        scoring = self._scoring(prompt, readout)
         exact = exact_segments(prompt, settings, len(prompt.segments) - 1)
         stats = self._assemble(prompt, settings, upto=exact)
         ids = torch.tensor(prompt.token_ids, dtype=torch.long, device=self.executor.device)
         rest = torch.arange(stats.exact_prefix, len(prompt), device=self.executor.device)
         steps = Plan(rest, torch.zeros(len(prompt), dtype=torch.bool), (), "kv")
-        return self._finish("prefix", prompt, ids, steps, stats, start, causal=False)
+        return self._finish("prefix", prompt, ids, steps, stats, start, causal=False, scoring=scoring)
 
     @torch.inference_mode()
-    def blend(self, prompt: Prompt, settings: BlendSettings | None = None, oracle: Oracle | None = None
-              ) -> BlendResult:
+    def blend(self, prompt: Prompt, settings: BlendSettings | None = None, oracle: Oracle | None = None,
+              readout: Readout | None = None) -> BlendResult:
         """Serve a prompt from cached blocks with the selector in ``settings`` (default: the engine's).
 
         ``oracle`` (measurement only, see :mod:`.oracle`) overwrites some assembled rows with full
         prefill's exact KV before the layer loop — how the fidelity benchmark attributes error.
+
+        With ``readout`` the prompt is an isolated scorer's
+        (:func:`~kvshard_sidecar.isolated_scorer.scoring_prompt`: it ends at the last candidate's label)
+        and ``result.scores`` holds each candidate's ``log P(readout.token)`` at its label opening. Every
+        candidate's item block is placed at the prefix's end (all at the same positions) and sees the
+        prefix (or, for a ``late`` scorer, not even that) and itself, never another candidate. FREE
+        segments (the list header, every label) are always recomputed; item tokens are selected like
+        any blended row — recomputed ones read the history afresh, the others keep the cached block's
+        KV. A ``late`` scorer's items read only themselves, so their cached blocks prefilled alone
+        (``prefill_context`` ``history`` or ``standalone``) are already exact.
         """
         settings = settings or self.settings
         settings.validate(self.executor.shape.num_layers)
         start = time.perf_counter()
-        stats = self._assemble(prompt, settings, upto=None)
+        scoring = self._scoring(prompt, readout)
+        stats = self._assemble(prompt, settings, upto=None, geometry=scoring[0] if scoring else None)
         if oracle is not None:
             oracle.apply(stats.kv)
-        layout = self.layout(prompt, stats.exact_prefix, settings)
+        free = [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.FREE] if scoring else []
+        layout = self.layout(prompt, stats.exact_prefix, settings, free)
+        if scoring:  # the answers are read at each candidate's label: tail means each item's tail
+            spans = prompt.spans
+            items = tuple((span.start, span.end) for span in spans if span.segment.kind is SegmentKind.ITEM)
+            layout = replace(layout, answer_blocks=items)
         steps = plan(layout, settings)
         device = self.executor.device
         steps = replace(steps, initial=steps.initial.to(device), pinned=steps.pinned.to(device))
@@ -346,30 +389,46 @@ class BlendEngine:
         if settings.calibrates_attention:
             calibration = (settings.attention_temperature, settings.attention_scale, stats.exact_prefix)
         return self._finish(settings.selector, prompt, ids, steps, stats, start, causal=False,
-                            calibration=calibration)
+                            calibration=calibration, scoring=scoring)
+
+    def _scoring(self, prompt: Prompt, readout: Readout | None) -> tuple[Geometry, torch.Tensor, int] | None:
+        """For a scorer prompt: its geometry, the label-opening rows read, and the readout token."""
+        if readout is None:
+            return None
+        inputs = IsolatedInputs.of_prompt(prompt, readout.items_read_prefix)
+        allowed, positions = inputs.mask_and_positions()
+        device = self.executor.device
+        geometry = Geometry(positions[0].to(device), allowed[0, 0].to(device))
+        return geometry, torch.tensor(inputs.readouts, device=device), readout.token
 
     @staticmethod
-    def layout(prompt: Prompt, exact_prefix: int, settings: BlendSettings) -> Layout:
-        """The selectors' view of a prompt: the suffix (and FREE segments if configured) are forced."""
+    def layout(prompt: Prompt, exact_prefix: int, settings: BlendSettings, forced: Sequence[int] = ()) -> Layout:
+        """The selectors' view of a prompt: the suffix, the segments in ``forced`` and (if configured)
+        FREE segments are always recomputed."""
         last = len(prompt.segments) - 1
-        forced = [last]
+        always = sorted({last, *forced})
         if settings.recompute_free:
-            forced += [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.FREE and i != last]
+            always += [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.FREE and i not in always]
         bounds = [(span.start, span.end) for span in prompt.spans]
-        return Layout.build(bounds, exact_prefix, forced, [s.kind.value for s in prompt.segments])
+        return Layout.build(bounds, exact_prefix, always, [s.kind.value for s in prompt.segments])
 
     def _finish(
         self, method: str, prompt: Prompt, ids: torch.Tensor, steps: Plan, stats: _Assembly,
         start: float, causal: bool, calibration: tuple[float, float, int] | None = None,
+        scoring: tuple[Geometry, torch.Tensor, int] | None = None,
     ) -> BlendResult:
         t0 = time.perf_counter()
         hidden, token_layers, selected = self._run(stats.kv, ids, steps, causal=causal, need_hidden=True,
-                                                   calibration=calibration)
+                                                   calibration=calibration,
+                                                   geometry=scoring[0] if scoring else None)
         self._sync()
         t1 = time.perf_counter()
         assert hidden is not None
         logits = self.executor.logits(hidden[:, -1:])[0]
         logits = logits.cpu()
+        scores = None
+        if scoring is not None:
+            scores = self._readout_scores(hidden, selected, scoring[1], scoring[2]).cpu()
         t2 = time.perf_counter()
         timings = dict(stats.timings, layers=t1 - t0, head=t2 - t1)
         return BlendResult(
@@ -377,34 +436,47 @@ class BlendEngine:
             exact_prefix_tokens=stats.exact_prefix, recomputed_tokens=int(selected.numel()),
             token_layers=token_layers, num_layers=self.executor.shape.num_layers,
             query_tokens=stats.query_tokens, hit_tokens=stats.hit_tokens, computed_tokens=stats.computed_tokens,
-            selected=selected.cpu(), kv=stats.kv,
+            selected=selected.cpu(), kv=stats.kv, scores=scores,
         )
+
+    def _readout_scores(self, hidden: torch.Tensor, running: torch.Tensor, rows: torch.Tensor, readout: int
+                        ) -> torch.Tensor:
+        """``log P(readout)`` at ``rows`` (each among the ``running`` rows ``hidden`` holds), [K] float32.
+        The head runs in float32, as the scorer was evaluated: near-ties must not break by rounding."""
+        at = torch.searchsorted(running, rows)
+        if not bool((running[at.clamp(max=running.numel() - 1)] == rows).all()):
+            raise AssertionError("a label opening was not recomputed")  # forced rows always are
+        normed = self.executor.norm(hidden[0, at]).float()
+        logits = normed @ self.executor.lm_head.weight.float().T
+        scores: torch.Tensor = torch.log_softmax(logits, dim=-1)[:, readout]
+        return scores
 
     def _run(
         self, kv: KVBuffer, ids: torch.Tensor, steps: Plan, causal: bool, need_hidden: bool,
-        positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-        calibration: tuple[float, float, int] | None = None,
+        geometry: Geometry | None = None, calibration: tuple[float, float, int] | None = None,
     ) -> tuple[torch.Tensor | None, int, torch.Tensor]:
         """The layer loop: run ``steps.initial`` from layer 0, narrowing at each check layer.
 
         By default row ``p`` of ``kv`` is position ``p``. ``causal=True`` is only for a running set equal
         to all rows ``0..N-1`` (full prefill); otherwise a boolean ``[n, N]`` mask lets each running
-        query see every position up to its own. Batched segment prefill passes its own RoPE
-        ``positions`` for the running rows and its own ``mask`` (no check layers then).
+        query see every position up to its own, or what ``geometry`` allows (its positions then give
+        RoPE's).
         ``calibration`` ``(temperature, scale, exact_prefix)`` rescales attention to the stale rows
         (blended, not running, after the exact prefix) — see :func:`calibrated_attention`.
         """
         ex = self.executor
         n_rows = kv.length
         running = steps.initial
-        if (positions is not None or mask is not None) and steps.checks:
-            raise ValueError("explicit positions/mask cannot be combined with check layers")
-        hidden = ex.embed(ids[running])
-        cos, sin = ex.rope(running if positions is None else positions)
-        checks = {step.layer: step for step in steps.checks}
         all_rows = torch.arange(n_rows, device=running.device)
-        if mask is None and not causal:
-            mask = all_rows[None, :] <= running[:, None]
+
+        def visible(rows: torch.Tensor) -> torch.Tensor:
+            return all_rows[None, :] <= rows[:, None] if geometry is None else geometry.allowed[rows]
+
+        hidden = ex.embed(ids[running])
+        cos, sin = ex.rope(running if geometry is None else geometry.positions[running])
+        checks = {step.layer: step for step in steps.checks}
+        mask = None if causal and geometry is None else visible(running)
+        causal = mask is None
         token_layers = 0
         last_layer = ex.shape.num_layers - 1
         stale: torch.Tensor | None = None
@@ -417,7 +489,7 @@ class BlendEngine:
                 scores = deviation_scores(k[0], cached_k, v[0], cached_v, steps.deviation_on)
                 kv.write(layer, running, k, v)
                 if steps.deviation_weight == "attention":
-                    scores = scores * self._suffix_attention(layer, kv, q, running, steps.pinned)
+                    scores = scores * self._suffix_attention(layer, kv, q, running, steps.pinned, visible(running))
                 if steps.picker is not None:
                     keep = steps.picker(scores, step.keep, steps.pinned[running], running)
                 else:
@@ -425,7 +497,7 @@ class BlendEngine:
                 running = running[keep]
                 hidden, q = hidden[:, keep], q[:, :, keep]
                 cos, sin = cos[:, :, keep], sin[:, :, keep]
-                mask = all_rows[None, :] <= running[:, None]
+                mask = visible(running)
                 causal = False
                 stale = None
             else:
@@ -443,14 +515,16 @@ class BlendEngine:
         return (hidden if need_hidden else None), token_layers, running
 
     def _suffix_attention(
-        self, layer: int, kv: KVBuffer, q: torch.Tensor, running: torch.Tensor, pinned: torch.Tensor
+        self, layer: int, kv: KVBuffer, q: torch.Tensor, running: torch.Tensor, pinned: torch.Tensor,
+        visible: torch.Tensor,
     ) -> torch.Tensor:
-        """Attention the pinned (suffix) queries among ``running`` pay each running token at ``layer``."""
+        """Attention the pinned (suffix) queries among ``running`` pay each running token at ``layer``
+        (``visible``: ``[n, N]``, what each running query may see)."""
         asking = torch.nonzero(pinned[running]).reshape(-1)
         if asking.numel() == 0:
             return torch.ones(running.numel(), device=running.device)
         keys, _ = kv.layer(layer)
-        received = attention_received(q[0][:, asking], keys[0], running[asking], self.executor.scaling)
+        received = attention_received(q[0][:, asking], keys[0], visible[asking], self.executor.scaling)
         return received[running]
 
     # ----------------------------------------------------------------- decoding

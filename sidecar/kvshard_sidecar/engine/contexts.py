@@ -17,7 +17,10 @@ when a block is warmed (``[system, item]``) and when a request looks it up:
   blocks: an item's block is the mean of its position-free KV (keys rotated back to ``0..T-1``, the
   store's convention, so averaging never mixes rotations) over one prefill behind *each* context —
   short seeded lists of other items (:func:`averaging_contexts`). One appearance is exactly
-  ``neutral`` with that text; several average out what any one neighbour list imprints on the item.
+  ``neutral`` with that text; several average out what any one neighbour list imprints on the item;
+* ``history`` — the history behind the system segment (exact), every later block alone at position 0
+  (``standalone``'s blocks, under the same keys): the late-interaction scorer's items read only
+  themselves (:mod:`kvshard_sidecar.isolated_scorer`), so this serves it exactly.
 
 The context is part of every block key (:func:`context_tag`): blocks computed behind different texts,
 or averaged over different lists, never collide.
@@ -40,7 +43,7 @@ AVERAGED_TAG = "averaged:"
 
 def system_context(prompt: Prompt, mode: str) -> Segment | None:
     """The segment other blocks are prefilled behind: the leading SYSTEM segment (all modes but standalone)."""
-    if (mode in ("system", "neutral", "averaged") and len(prompt.segments) > 1
+    if (mode in ("system", "neutral", "averaged", "history") and len(prompt.segments) > 1
             and prompt.segments[0].kind is SegmentKind.SYSTEM):
         return prompt.segments[0]
     return None
@@ -65,7 +68,7 @@ def appearance_texts(settings: BlendSettings) -> list[Segment]:
 def behind_system_only(prompt: Prompt, index: int, settings: BlendSettings) -> bool:
     """Whether segment ``index`` is prefilled behind the system segment alone (so exact at index 1).
 
-    In ``system`` mode every segment is. In ``neutral``/``averaged`` mode only a HISTORY segment right
+    In ``system`` mode every segment is. In ``neutral``/``averaged``/``history`` mode only a HISTORY segment right
     after the system segment is (it is an exact prefix there); everything else goes behind system +
     text — decided by kind, so warming ``[system, item]`` stores the key a request will look up.
     """

@@ -31,6 +31,8 @@ class BlendResult:
         computed_tokens: tokens of blocks computed on the cold path, per kind.
         selected: positions recomputed at the last layer.
         kv: the prompt's KV after prefill (what decoding continues on).
+        scores: for the isolated scorer's prompt (``readout`` given), each candidate's float32
+            ``log P(readout)`` at its label opening ``[K]``; ``None`` otherwise.
     """
 
     method: str
@@ -47,6 +49,7 @@ class BlendResult:
     computed_tokens: dict[str, int]
     selected: torch.Tensor
     kv: KVBuffer = field(repr=False)
+    scores: torch.Tensor | None = None
 
     @property
     def recompute_ratio(self) -> float:

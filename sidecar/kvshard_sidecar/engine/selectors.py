@@ -43,6 +43,8 @@ class Layout:
         units: long ``[N]``: the unit (index of its representative segment) of every token.
         roles: long ``[N]``: ``ROLE_LABEL`` for a label's tokens, ``ROLE_HEADER`` for a list header's
             (a FREE segment not followed by an item), ``ROLE_PLAIN`` for everything else.
+        answer_blocks: ``(start, end)`` of each span whose own end is where an answer is read — the
+            isolated scorer's candidates; empty: the answer is read after the whole prompt.
     """
 
     segment_bounds: tuple[tuple[int, int], ...]
@@ -50,6 +52,7 @@ class Layout:
     forced: torch.Tensor
     units: torch.Tensor | None = None
     roles: torch.Tensor | None = None
+    answer_blocks: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def build(
@@ -173,8 +176,20 @@ def select_boundary(layout: Layout, w: int) -> torch.Tensor:
 
 
 def select_tail(layout: Layout, budget: int) -> torch.Tensor:
-    """``tail``: forced tokens plus the last ``budget`` candidates (the rows closest to the question)."""
+    """``tail``: forced tokens plus the last ``budget`` candidates (the rows closest to the question).
+
+    With ``answer_blocks`` (the isolated scorer) the rows closest to *each* answer: every block keeps
+    its own last ``budget × its share of the candidates`` rows, so what a candidate recomputes depends
+    on its own length only, never on where the order put it."""
     candidates = layout.candidates()
+    if layout.answer_blocks:
+        total = max(1, int(candidates.numel()))
+        picked = []
+        for start, end in layout.answer_blocks:
+            own = candidates[(candidates >= start) & (candidates < end)]
+            keep = min(int(own.numel()), round(budget * int(own.numel()) / total))
+            picked.append(own[own.numel() - keep:])
+        return union(layout.forced_positions(), torch.cat(picked) if picked else candidates[:0])
     keep = max(0, min(budget, int(candidates.numel())))
     return union(layout.forced_positions(), candidates[candidates.numel() - keep:])
 
@@ -217,17 +232,16 @@ def deviation_scores(
     return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
 
 
-def attention_received(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+def attention_received(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
                        scale: float) -> torch.Tensor:
-    """Mean attention probability each key position receives from ``queries``: float32 ``[N]``.
+    """Mean attention probability each key row receives from ``queries``: float32 ``[N]``.
 
-    ``queries`` ``[heads, s, d]`` at ``query_positions``; ``keys`` ``[kv_heads, N, d]`` at positions
-    ``0..N-1`` (grouped-query heads are shared); causal by position.
+    ``queries`` ``[heads, s, d]``; ``keys`` ``[kv_heads, N, d]`` (grouped-query heads are shared);
+    ``visible`` bool ``[s, N]``: the rows each query may see.
     """
     groups = queries.shape[0] // keys.shape[0]
     expanded = keys.float().repeat_interleave(groups, dim=0)
     logits = queries.float() @ expanded.transpose(1, 2) * scale
-    visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= query_positions[:, None]
     probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
     return probs.mean(dim=(0, 1))
 

@@ -19,8 +19,8 @@ from kvshard.blend_policy import DEFAULT_METHOD, DEFAULT_RATIO
 SelectorName = Literal["none", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic"]
 DeviationOn = Literal["k", "v", "kv"]
 DeviationWeight = Literal["none", "attention"]
-PrefillContext = Literal["standalone", "system", "neutral", "averaged"]
-PREFILL_CONTEXTS: tuple[PrefillContext, ...] = ("standalone", "system", "neutral", "averaged")
+PrefillContext = Literal["standalone", "system", "neutral", "averaged", "history"]
+PREFILL_CONTEXTS: tuple[PrefillContext, ...] = ("standalone", "system", "neutral", "averaged", "history")
 Granularity = Literal["token", "segment"]
 
 SELECTORS: tuple[SelectorName, ...] = ("none", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic")
@@ -95,7 +95,9 @@ class BlendSettings:
             ``neutral_context`` tokens, a short fixed text shaped like what precedes it in prompts) or
             ``averaged`` (like ``neutral`` with ``averaged_contexts[0]`` as the text, but every item
             block is the mean of its position-free KV over one prefill behind each of
-            ``averaged_contexts``; see :mod:`.contexts`).
+            ``averaged_contexts``; see :mod:`.contexts`) or ``history`` (the history behind the system
+            segment, exact; every other block alone, as ``standalone``: what the late-interaction
+            scorer's items read, so it is served exactly).
         neutral_context: token ids of that text (``neutral`` mode only).
         averaged_contexts: token ids of each appearance's context (``averaged`` mode only; one
             appearance is ``neutral`` with that text).

@@ -1,0 +1,74 @@
+"""A sidecar serving the shipped scorer (``--model scorer``): it ranks every candidate, each scored alone, the
+same ranking under every candidate order; it refuses to generate; a blended answer is full prefill's where
+the scorer is served exactly from cache; and the shadow checks measure that in production."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sidecar_process import Sidecar, SidecarFactory
+
+from kvshard.models import SCORER_NAME, model_scorer, resolve_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+REQUEST = {"user_id": "1", "history": ["1", "2", "3", "4", "5", "6"], "candidates": ["50", "172", "181", "7", "98"]}
+
+
+@pytest.fixture(scope="module")
+def sidecar(start_sidecar: SidecarFactory) -> Sidecar:
+    return start_sidecar("--model", "scorer", "--shadow-sample-rate", "1", "--shadow-budget-percent", "100",
+                         name="scorer")
+
+
+def _scores(body: dict[str, Any]) -> dict[str, float]:
+    return {r["candidate"]: r["logprob"] for r in body["ranking"]}
+
+
+def test_the_scorer_ranks_every_candidate_the_same_under_every_order(sidecar: Sidecar) -> None:
+    status, body = sidecar.json("POST", "/v1/recommend", REQUEST)
+    assert status == 200, body
+    assert body["model"] == SCORER_NAME and body["mode"] == "rank"
+    assert sorted(_scores(body)) == sorted(REQUEST["candidates"])
+    status, reversed_body = sidecar.json("POST", "/v1/recommend",
+                                         {**REQUEST, "candidates": REQUEST["candidates"][::-1]})
+    assert status == 200, reversed_body
+    forward, backward = _scores(body), _scores(reversed_body)
+    assert all(abs(forward[c] - backward[c]) < 1e-3 for c in forward)
+    assert reversed_body["candidate"] == body["candidate"]
+
+
+def test_the_blended_ranking_is_full_prefills_where_the_scorer_is_served_exactly(sidecar: Sidecar) -> None:
+    _, blended = sidecar.json("POST", "/v1/recommend", REQUEST)
+    status, full = sidecar.json("POST", "/v1/recommend", {**REQUEST, "blend": {"method": "full"}})
+    assert status == 200, full
+    assert full["tokens"]["recompute_ratio"] > blended["tokens"]["recompute_ratio"]
+    if model_scorer(resolve_model("scorer")) == "late":  # items read only themselves: exact from cache
+        assert blended["tokens"]["recompute_ratio"] < 0.3
+        assert all(abs(_scores(blended)[c] - _scores(full)[c]) < 1e-3 for c in REQUEST["candidates"])
+
+
+def test_a_scorer_does_not_generate(sidecar: Sidecar) -> None:
+    status, body = sidecar.json("POST", "/v1/recommend", {**REQUEST, "mode": "generate", "max_tokens": 2})
+    assert (status, body["error"]["field"]) == (422, "mode"), body
+    assert "ranks the candidates" in body["error"]["message"]
+    assert sidecar.json("POST", "/v1/recommend", REQUEST)[0] == 200
+
+
+def test_shadow_checks_compare_the_scores_with_full_prefill(sidecar: Sidecar) -> None:
+    import time
+
+    sidecar.json("POST", "/v1/recommend", REQUEST)
+    deadline = time.monotonic() + 60
+    checked = ""
+    while time.monotonic() < deadline:
+        checked = "\n".join(line for line in sidecar.metrics().splitlines()
+                            if line.startswith("kvshard_sidecar_fidelity_checks_total{")
+                            and 'result="skipped"' not in line and not line.endswith(" 0.0"))
+        if checked:
+            break
+        time.sleep(0.5)
+    assert checked, "no shadow check ran"
+    if model_scorer(resolve_model("scorer")) == "late":
+        assert 'result="agree"' in checked and 'result="disagree"' not in checked
