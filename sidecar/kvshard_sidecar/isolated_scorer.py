@@ -34,13 +34,15 @@ Measured at issue 20's training budget (``kvshard model finetune --scorer isolat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvshard.models import SCORERS
 from kvshard.prompts import RecommendationPrompt
-from kvshard.segments import Prompt, SegmentKind
+from kvshard.segments import Prompt, Segment, SegmentKind
 
 READOUT = " yes"
 
@@ -65,11 +67,9 @@ class Readout:
     @classmethod
     def for_model(cls, tokenizer: Any, scorer: str) -> Readout | None:
         """The readout of a model trained for ``scorer`` (``None`` for ``answer``: it answers with a label)."""
-        if scorer == "answer":
-            return None
-        if scorer not in ("isolated", "late"):
+        if scorer not in SCORERS:
             raise ValueError(f"unknown scorer {scorer!r}")
-        return cls(readout_id(tokenizer), scorer == "isolated")
+        return None if scorer == "answer" else cls(readout_id(tokenizer), scorer == "isolated")
 
 
 @dataclass(frozen=True)
@@ -93,12 +93,10 @@ class IsolatedInputs:
     def of_prompt(cls, prompt: Prompt, items_read_prefix: bool = True) -> IsolatedInputs:
         """From a :func:`scoring_prompt`: its ITEM segments are the candidates, each with the label after it."""
         spans = prompt.spans
-        items = [i for i, s in enumerate(spans) if s.segment.kind is SegmentKind.ITEM]
-        if not items:
-            raise ValueError("the prompt has no candidates")
-        if items[-1] + 2 != len(spans) or any(spans[i + 1].segment.kind is not SegmentKind.FREE for i in items):
+        items = _candidates(prompt.segments)
+        if items[-1] + 2 != len(spans):
             raise ValueError("the isolated scorer needs each label after its item (labelPosition: after), the "
-                             "prompt ending at the last label")
+                             "prompt ending at the last label (scoring_prompt)")
         blocks = tuple((spans[i].start, spans[i + 1].end) for i in items)
         return cls(tuple(prompt.token_ids), blocks, tuple(spans[i + 1].start for i in items), items_read_prefix)
 
@@ -132,12 +130,17 @@ def scoring_prompt(built: RecommendationPrompt) -> Prompt:
     """The part of a recommendation prompt the scorer reads: up to the last candidate's label (the
     question after the candidates is not needed); refused unless each label follows its item."""
     segments = built.prompt.segments
+    return Prompt.of(segments[: _candidates(segments)[-1] + 2])
+
+
+def _candidates(segments: Sequence[Segment]) -> list[int]:
+    """Indices of the candidates' ITEM segments, each followed by its label (a FREE segment)."""
     items = [i for i, s in enumerate(segments) if s.kind is SegmentKind.ITEM]
     if not items:
         raise ValueError("the prompt has no candidates")
     if items[-1] + 1 >= len(segments) or any(segments[i + 1].kind is not SegmentKind.FREE for i in items):
         raise ValueError("the isolated scorer needs each label after its item (labelPosition: after)")
-    return Prompt.of(segments[: items[-1] + 2])
+    return items
 
 
 def isolated_scores(causal_lm: Any, inputs: IsolatedInputs, readout: int, items_read_prefix: bool | None = None

@@ -245,7 +245,7 @@ class SidecarService:
         scorer's check compares the candidates' scores (its KL is over their softmax)."""
         if self._vllm is None and call.blend == self.blend_defaults:
             policy = self.blend_policy
-            if self.readout is not None and result.scores is not None:
+            if result.scores is not None:  # a scorer model
                 self.shadow.offer(scoring_prompt(built), tuple(range(len(result.scores))), result.scores,
                                   policy.method, policy.ratio)
                 return
