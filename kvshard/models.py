@@ -84,6 +84,15 @@ def model_scorer(model: Path) -> str:
     return str(scorer)
 
 
+def model_interaction(model: Path) -> int:
+    """How many of each item's last tokens a ``late`` scorer trained to read the prefix (0 where none
+    was recorded: the label opening alone)."""
+    interaction = _merge_record(model).get("interaction", 0)
+    if not isinstance(interaction, int) or interaction < 0:
+        raise ValueError(f"{model / MERGE_RECORD}: interaction must be a count, got {interaction!r}")
+    return interaction
+
+
 def scorer_refusal(model: Path, who: str) -> str | None:
     """Why ``who`` — something that reads the answer position through vLLM — cannot use ``model`` (``None``
     when it can): a model trained for another scorer would be asked a question it was never trained to

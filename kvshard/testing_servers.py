@@ -149,10 +149,12 @@ class EtcdServer(_LocalServer):
     hand that certificate to whoever should connect. ``tls=False`` serves plaintext.
     """
 
-    def __init__(self, *, data_dir: Path | None = None, start_timeout: float = 20.0, tls: bool = True) -> None:
+    def __init__(self, *, data_dir: Path | None = None, start_timeout: float = 20.0, tls: bool = True,
+                 ports: tuple[int, int] | None = None) -> None:
         self.binary = etcd_binary()
         self.host = "127.0.0.1"
-        self.client_port, self.peer_port = free_ports(2)
+        # (client, peer); a caller that picks other ports as well picks these in the same free_ports call
+        self.client_port, self.peer_port = ports or free_ports(2)
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="kvshard-etcd-"))
         self.start_timeout = start_timeout

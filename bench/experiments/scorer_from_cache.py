@@ -39,7 +39,7 @@ from kvshard_sidecar.model import load_model
 USERS = int(sys.argv[1]) if len(sys.argv) > 1 else 191
 PATH = Path(sys.argv[2]) if len(sys.argv) > 2 else resolve_model("scorer")
 HISTORY, CANDIDATES, SEED = 10, 20, 0
-VARIANTS = {"items read the prefix (as trained)": True, "items alone (exact from cache)": False}
+VARIANTS: dict[str, int | None] = {"items read the prefix (as trained)": None, "items alone (exact from cache)": 0}
 
 torch.set_num_threads(2)
 loaded = load_model(PATH)
@@ -53,11 +53,10 @@ taus: list[float] = []
 for request in tqdm(requests, desc="held-out users"):
     answers.next_user()
     built = builder.build(request)
-    inputs = IsolatedInputs.of(built)
     scored = {}
     with torch.inference_mode():
-        for name, items_read_prefix in VARIANTS.items():
-            scored[name] = isolated_scores(loaded.model, inputs, readout, items_read_prefix).tolist()
+        for name, interaction in VARIANTS.items():
+            scored[name] = isolated_scores(loaded.model, IsolatedInputs.of(built, interaction), readout).tolist()
             answers.add(name, built, scored[name])
     trained, cached = scored.values()
     same_choice.append(float(best_index(trained) == best_index(cached)))

@@ -50,7 +50,7 @@ from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings, Memo
 from kvshard_sidecar.engine.contexts import averaging_contexts
 from kvshard_sidecar.engine.methods import method_settings as named_settings
 from kvshard_sidecar.engine.settings import PREFILL_CONTEXTS
-from kvshard_sidecar.isolated_scorer import Readout, scoring_prompt
+from kvshard_sidecar.isolated_scorer import Readout, prefill_context_for, scoring_prompt
 
 Row = dict[str, Any]
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.3)
@@ -207,9 +207,9 @@ def run(args: argparse.Namespace) -> list[Row]:
     model = resolve_model(args.model)
     tokenizer = engine_tokenizer(model)
     scorer = model_scorer(model)
-    readout = Readout.for_model(tokenizer, scorer)
+    readout = Readout.for_model(tokenizer, model)
     if args.prefill_context is None:
-        args.prefill_context = "history" if scorer == "late" else "system"
+        args.prefill_context = prefill_context_for(scorer)
     if readout is not None and (args.attribution or args.memory or any("+ape" in m for m in args.methods or ())):
         raise SystemExit(f"{model.name} ranks with the isolated scorer: --attribution, --memory and +ape measure "
                          "the answer position's prefill and are not built for it")

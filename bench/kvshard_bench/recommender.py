@@ -177,7 +177,7 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
 
     loaded = load_model(path)
     scorer = model_scorer(path)
-    readout = Readout.for_model(loaded.tokenizer, scorer)
+    readout = Readout.for_model(loaded.tokenizer, path)
     engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
 
     def scores(built: RecommendationPrompt) -> list[float]:

@@ -132,8 +132,11 @@ class LocalCluster:
             self._prompt = prompt_for_model(self._prompt, model_prompt(resolve_model(self.settings.model)))[0] or None
         self.name = str(self._manifest["metadata"]["name"])
         self.pod_names = [f"engine-{i}" for i in range(self.settings.pods)]
-        roles = ("kube", "operator_metrics", "operator_health", "router", *self.pod_names)
-        self._ports = dict(zip(roles, free_ports(len(roles)), strict=True))  # distinct: one call holds them all
+        # every port of the cluster in one call, etcd's and Prometheus' too: ports chosen in separate calls
+        # may come back equal (seen: the Kubernetes API failing with "Address already in use")
+        roles = ("kube", "operator_metrics", "operator_health", "router", "etcd_client", "etcd_peer", "prometheus",
+                 *self.pod_names)
+        self._ports = dict(zip(roles, free_ports(len(roles)), strict=True))
         self.kube_url = f"http://{HOST}:{self._ports['kube']}"
         self.operator_metrics_url = f"http://{HOST}:{self._ports['operator_metrics']}/metrics"
         self.operator_health_url = f"http://{HOST}:{self._ports['operator_health']}/healthz"
@@ -174,7 +177,8 @@ class LocalCluster:
         self._fresh_run_dir()
 
         log.info("starting etcd (TLS, client certificates)")
-        self._etcd = EtcdServer(data_dir=self.run_dir / "etcd")
+        self._etcd = EtcdServer(data_dir=self.run_dir / "etcd",
+                                ports=(self._ports["etcd_client"], self._ports["etcd_peer"]))
         self._etcd.start()
         self.etcd_endpoint = self._etcd.endpoint
         self.etcd_tls = self._etcd.client_tls
@@ -212,7 +216,8 @@ class LocalCluster:
 
         log.info("starting Prometheus")
         config = self.write_prometheus_config()
-        self._prometheus = PrometheusServer(config, data_dir=self.run_dir / "prometheus")
+        self._prometheus = PrometheusServer(config, data_dir=self.run_dir / "prometheus",
+                                            port=self._ports["prometheus"])
         self._prometheus.start()
         self.prometheus_url = self._prometheus.url
         self._link_log("prometheus", self._prometheus.log_path)

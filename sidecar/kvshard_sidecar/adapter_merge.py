@@ -182,7 +182,8 @@ def merge_adapter(base: Path, adapter_folder: Path, target: Path, name: str = FI
         record = {"adapter": adapter_folder.name, "adapter_sha256": adapter.sha256, "scale": scale,
                   "base": adapter.provenance["base"], "command": adapter.provenance.get("command"),
                   "prompt": trained_prompt(adapter.provenance),
-                  "scorer": (adapter.provenance.get("settings") or {}).get("scorer", "answer")}
+                  "scorer": (adapter.provenance.get("settings") or {}).get("scorer", "answer"),
+                  "interaction": (adapter.provenance.get("settings") or {}).get("interaction", 0)}
         (staging / MERGE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         if target.exists():
             shutil.rmtree(target)

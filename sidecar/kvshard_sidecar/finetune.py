@@ -60,7 +60,7 @@ from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt,
 from kvshard.ranking import QUALITY_METRICS, best_index, quality
 from kvshard.segments import SegmentKind
 from kvshard.splits import UserSplit, training_requests, validation_requests
-from kvshard_sidecar.adapter_merge import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from kvshard_sidecar.adapter_merge import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Adapter, AdapterError
 from kvshard_sidecar.finetune_report import (
     PROVENANCE_FILE,
     LossCurve,
@@ -102,7 +102,7 @@ class Example:
 
     @classmethod
     def of(cls, *orders: RecommendationPrompt, soft: Sequence[Sequence[float]] | None = None,
-           isolated: bool = False, items_read_prefix: bool = True) -> Example:
+           isolated: bool = False, interaction: int | None = None) -> Example:
         """The same request built under each candidate order (the first is the reference)."""
         first = orders[0]
         if any(o.target_index is None for o in orders):
@@ -117,7 +117,7 @@ class Example:
                    torch.tensor(alignment, dtype=torch.long),
                    None if soft is None else torch.tensor(soft, dtype=torch.float32),
                    torch.tensor([label_positions(o) for o in orders], dtype=torch.long),
-                   tuple(IsolatedInputs.of(o, items_read_prefix) for o in orders) if isolated else ())
+                   tuple(IsolatedInputs.of(o, interaction) for o in orders) if isolated else ())
 
     @property
     def orders(self) -> int:
@@ -280,6 +280,34 @@ def lora_model(model: Any, settings: FinetuneSettings) -> Any:
     return get_peft_model(model, config)
 
 
+def warm_start(peft_model: Any, folder: Path, base: Path) -> dict[str, str]:
+    """Load a trained adapter's LoRA weights into the fresh adapters, so training continues from it.
+
+    Why: a late scorer differs from the isolated scorer only in what item tokens may read; starting from
+    the isolated scorer's weights spends the CPU budget on adapting to the tighter mask instead of learning
+    the task again. Refuses an adapter of another shape (rank, alpha, projections, layers) or trained on other
+    base weights: its numbers would not mean the same here."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    adapter = Adapter.read(folder)
+    adapter.check_base(base)
+    ours = peft_model.peft_config["default"]
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(peft_model).items()}
+    if ((int(adapter.config["r"]), float(adapter.config["lora_alpha"])) != (ours.r, float(ours.lora_alpha))
+            or {k: tuple(v.shape) for k, v in tensors.items()} != expected):
+        raise AdapterError(f"{folder}: its LoRA (rank {adapter.config['r']}, alpha {adapter.config['lora_alpha']}, "
+                           f"{len(tensors)} tensors) does not match this run's (rank {ours.r}, alpha "
+                           f"{ours.lora_alpha}, {len(expected)} tensors): give the same --rank, --alpha, "
+                           "--targets and --layers it was trained with")
+    set_peft_model_state_dict(peft_model, tensors)
+    log.info("warm start from %s (sha256 %s…)", folder, adapter.sha256[:12])
+    return {"folder": folder.name, "sha256": adapter.sha256,
+            "command": str(adapter.provenance.get("command", ""))}
+
+
 def save_adapter(peft_model: Any, folder: Path, base_name: str) -> None:
     """``adapter_model.safetensors`` + ``adapter_config.json`` (peft's format; the base named by its
     kvshard model name, not by this machine's path)."""
@@ -314,6 +342,7 @@ class TrainingData:
     examples: list[Example]
     validation: list[Example]
     teacher: dict[str, object]
+    init_adapter: dict[str, str] | None = None
 
 
 def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
@@ -348,13 +377,13 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
                                                                     r.candidates.index(str(r.target)))
                                                                    for r in validation))}
         log.info("item-kNN teacher on the validation prompts: %s", teacher_record["validation"])
-    isolated, items_read_prefix = settings.scorer != "answer", settings.scorer == "isolated"
+    isolated, interaction = settings.scorer != "answer", settings.interaction_of_scorer()
     examples = [Example.of(*(builder.build(o) for o in orders), soft=s, isolated=isolated,
-                           items_read_prefix=items_read_prefix)
+                           interaction=interaction)
                 for orders, s in zip(training_orders, soft, strict=True)]
     return TrainingData(dataset.name, {**split.describe(dataset), "training_users_used": len(users)},
                         examples, [Example.of(*(builder.build(o) for o in orders), isolated=isolated,
-                                              items_read_prefix=items_read_prefix)
+                                              interaction=interaction)
                                    for orders in validation_orders],
                         teacher_record)
 
@@ -364,7 +393,8 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     torch.set_num_threads(settings.threads)
     out = settings.out or default_output()
     out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(settings.model or default_model_path(), dtype=settings.precision)
+    base_folder = settings.model or default_model_path()
+    loaded = load_model(base_folder, dtype=settings.precision)
     base = {"name": loaded.identity.name, "revision": loaded.identity.revision,
             "tokenizer": loaded.identity.tokenizer}
     data = training_data(settings, loaded.tokenizer)
@@ -376,6 +406,8 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
 
     readout = readout_id(loaded.tokenizer)
     peft_model = lora_model(loaded.model, settings)
+    if settings.init_adapter is not None:
+        data.init_adapter = warm_start(peft_model, settings.init_adapter, base_folder)
     causal_lm = peft_model.get_base_model()
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
@@ -454,6 +486,7 @@ def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str]
         "dataset": data.dataset,
         "split": data.split,
         "teacher": data.teacher,
+        "init_adapter": data.init_adapter,
         "steps": steps,
         "examples": examples,
         "training_seconds": round(elapsed, 1),

@@ -81,6 +81,13 @@ class FinetuneSettings:
                                     "'late' (the same, but an item's tokens read only themselves — as its cached "
                                     "block holds them — and its label opening reads the prefix and the item: "
                                     "served exactly from cached item blocks, recomputing the labels only)")
+    interaction: int = setting(0, "--scorer late only: how many of each item's last tokens read the prefix as well "
+                                  "(late interaction; 0 = the label opening alone): more reading, more "
+                                  "recomputed per candidate when served from cache")
+    init_adapter: Path | None = setting(None, "start the LoRA from this trained adapter folder instead of zero (a "
+                                              "warm start: same --rank, --alpha, --targets and --layers, trained "
+                                              "on the same base), e.g. a late scorer from the isolated scorer's "
+                                              "adapter; provenance records its hash")
     seed: int = setting(0, "seed of the data sampling, candidate shuffles and LoRA initialisation")
     threads: int = setting(2, "torch threads")
     precision: str = setting("bfloat16", "'bfloat16': the frozen base weights in bfloat16 and its matmuls under "
@@ -117,14 +124,20 @@ class FinetuneSettings:
             raise settings_lib.SettingsError(f"--scorer {self.scorer} needs --label-position after (it reads where "
                                              "each label opens, after its item) and no --consistency or --pointwise "
                                              "(its ranking does not depend on the order; it has no answer position)")
+        if self.interaction < 0 or (self.interaction and self.scorer != "late"):
+            raise settings_lib.SettingsError("--interaction must be at least 0, and above 0 only with --scorer late")
         if self.minutes <= 0 or self.lr <= 0:
             raise settings_lib.SettingsError("--minutes and --lr must be positive")
+
+    def interaction_of_scorer(self) -> int | None:
+        """:attr:`IsolatedInputs.interaction` for this scorer (``None``: every item token reads the prefix)."""
+        return self.interaction if self.scorer == "late" else None
 
     def command(self) -> str:
         """The ``kvshard model finetune`` command line that reproduces these settings."""
         words = ["kvshard", "model", "finetune"]
         for name, value in vars(self).items():
-            if name in ("out", "model") and value is None:
+            if name in ("out", "model", "init_adapter") and value is None:
                 continue
             shown = ",".join(value) if isinstance(value, tuple) else str(value)
             words += [f"--{name.replace('_', '-')}", shown]

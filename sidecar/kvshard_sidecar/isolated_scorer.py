@@ -22,10 +22,11 @@ same value as one that returns logits.
 Two variants, recorded by the merge as the model's scorer (:data:`kvshard.models.SCORERS`):
 
 * ``isolated`` — a candidate's item tokens read the prefix: the history shapes every item token;
-* ``late`` (late interaction) — an item's tokens read only themselves, and only its label opening reads
-  the prefix and the item. Its item KV is then the item prefilled alone, RoPE-rotated to the prefix's
-  end: exactly a cached item block, so the blend engine serves it from cache recomputing the labels
-  alone, with nothing lost (``prefill_context`` ``history``).
+* ``late`` (late interaction) — an item's tokens read only themselves, except its last ``interaction``
+  tokens (0: none), which read the prefix too, as its label opening does. Its other item tokens' KV is
+  then the item prefilled alone, RoPE-rotated to the prefix's end: exactly a cached item block, so the
+  blend engine serves it from cache recomputing only the interaction tokens and the labels, with
+  nothing lost (``prefill_context`` ``history``).
 
 The blend engine serves both (``readout``: :class:`Readout`, :meth:`BlendEngine.blend`), the sidecar in
 rank mode, and through vLLM as one request per candidate carrying its blended KV.
@@ -36,11 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvshard.models import SCORERS
+from kvshard.models import model_interaction, model_scorer
 from kvshard.prompts import RecommendationPrompt
 from kvshard.segments import Prompt, Segment, SegmentKind
 
@@ -58,18 +60,21 @@ def readout_id(tokenizer: Any) -> int:
 
 @dataclass(frozen=True)
 class Readout:
-    """How a scorer model's candidates are read: the vocabulary row at each label opening, and whether
-    its items read the prefix (``isolated``) or only themselves (``late``)."""
+    """How a scorer model's candidates are read: the vocabulary row at each label opening, and how many of
+    each item's last tokens read the prefix (``interaction``: ``None`` every one, ``isolated``; a count for
+    ``late``, whose other item tokens read only their item)."""
 
     token: int
-    items_read_prefix: bool = True
+    interaction: int | None = None
 
     @classmethod
-    def for_model(cls, tokenizer: Any, scorer: str) -> Readout | None:
-        """The readout of a model trained for ``scorer`` (``None`` for ``answer``: it answers with a label)."""
-        if scorer not in SCORERS:
-            raise ValueError(f"unknown scorer {scorer!r}")
-        return None if scorer == "answer" else cls(readout_id(tokenizer), scorer == "isolated")
+    def for_model(cls, tokenizer: Any, model: Path) -> Readout | None:
+        """The readout of the model folder ``model``, as its merge recorded the scorer it was trained for
+        (``None`` for ``answer``: it answers with a label; ``late`` with its ``interaction`` count)."""
+        scorer = model_scorer(model)
+        if scorer == "answer":
+            return None
+        return cls(readout_id(tokenizer), None if scorer == "isolated" else model_interaction(model))
 
 
 @dataclass(frozen=True)
@@ -80,17 +85,17 @@ class IsolatedInputs:
     token_ids: tuple[int, ...]
     blocks: tuple[tuple[int, int], ...]
     readouts: tuple[int, ...]
-    items_read_prefix: bool = True
-    """Whether a candidate's item tokens read the prefix (scorer ``isolated``) or only themselves
-    (``late``): see :meth:`mask_and_positions`."""
+    interaction: int | None = None
+    """How many of each candidate's last item tokens read the prefix: ``None`` all (scorer ``isolated``),
+    a count for ``late`` (the others read only their item): see :meth:`mask_and_positions`."""
 
     @classmethod
-    def of(cls, built: RecommendationPrompt, items_read_prefix: bool = True) -> IsolatedInputs:
+    def of(cls, built: RecommendationPrompt, interaction: int | None = None) -> IsolatedInputs:
         """From a prompt whose template puts each label after its item (``labelPosition: after``)."""
-        return cls.of_prompt(scoring_prompt(built), items_read_prefix)
+        return cls.of_prompt(scoring_prompt(built), interaction)
 
     @classmethod
-    def of_prompt(cls, prompt: Prompt, items_read_prefix: bool = True) -> IsolatedInputs:
+    def of_prompt(cls, prompt: Prompt, interaction: int | None = None) -> IsolatedInputs:
         """From a :func:`scoring_prompt`: its ITEM segments are the candidates, each with the label after it."""
         spans = prompt.spans
         items = _candidates(prompt.segments)
@@ -98,32 +103,46 @@ class IsolatedInputs:
             raise ValueError("the isolated scorer needs each label after its item (labelPosition: after), the "
                              "prompt ending at the last label (scoring_prompt)")
         blocks = tuple((spans[i].start, spans[i + 1].end) for i in items)
-        return cls(tuple(prompt.token_ids), blocks, tuple(spans[i + 1].start for i in items), items_read_prefix)
+        return cls(tuple(prompt.token_ids), blocks, tuple(spans[i + 1].start for i in items), interaction)
 
     @property
     def prefix(self) -> int:
         """Tokens every candidate reads: everything before the first candidate."""
         return self.blocks[0][0]
 
-    def mask_and_positions(self, items_read_prefix: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def mask_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention mask [1, 1, T, T] (True = may attend: causal, minus other candidates) and the
         position ids [1, T] (every candidate from the prefix's end).
 
-        ``items_read_prefix=False`` also hides the prefix from each candidate's item tokens (only its
-        label opening reads it): the item's keys and values are then those of the item prefilled alone,
-        RoPE-rotated to the prefix's end — exactly what a cached item block re-rotated there holds — so
-        serving from cache needs one recomputed token per candidate."""
-        if items_read_prefix is None:
-            items_read_prefix = self.items_read_prefix
+        A count ``interaction`` also hides the prefix from each candidate's item tokens but the last
+        ``interaction`` (the label reads it): those item tokens' keys and values are then the item
+        prefilled alone, RoPE-rotated to the prefix's end — exactly what a cached item block re-rotated
+        there holds — so serving from cache recomputes only :meth:`readers` of each candidate."""
         end = len(self.token_ids)
         allowed = torch.ones(end, end, dtype=torch.bool).tril()
         positions = torch.arange(end)
         for (start, stop), opening in zip(self.blocks, self.readouts, strict=True):
             allowed[start:stop, self.prefix:start] = False
-            if not items_read_prefix:
-                allowed[start:opening, :self.prefix] = False
+            if self.interaction is not None:
+                allowed[start:max(start, opening - self.interaction), :self.prefix] = False
             positions[start:stop] = torch.arange(self.prefix, self.prefix + stop - start)
         return allowed[None, None], positions[None]
+
+    def readers(self) -> list[int]:
+        """The item rows that read the prefix when items read only themselves otherwise (``late``): each
+        candidate's last ``interaction`` item tokens; empty for ``isolated`` (every item row reads it,
+        and a blend chooses which to recompute)."""
+        if self.interaction is None:
+            return []
+        return [row for (start, _), opening in zip(self.blocks, self.readouts, strict=True)
+                for row in range(max(start, opening - self.interaction), opening)]
+
+
+def prefill_context_for(scorer: str) -> str:
+    """What a model's item blocks are prefilled behind by default (``BlendSettings.prefill_context``): a
+    ``late`` scorer's items read only themselves, so blocks prefilled alone behind an exact history serve
+    it exactly (``history``); every other model's items read what comes before them (``system``)."""
+    return "history" if scorer == "late" else "system"
 
 
 def scoring_prompt(built: RecommendationPrompt) -> Prompt:
@@ -143,14 +162,13 @@ def _candidates(segments: Sequence[Segment]) -> list[int]:
     return items
 
 
-def isolated_scores(causal_lm: Any, inputs: IsolatedInputs, readout: int, items_read_prefix: bool | None = None
-                    ) -> torch.Tensor:
+def isolated_scores(causal_lm: Any, inputs: IsolatedInputs, readout: int) -> torch.Tensor:
     """Each candidate's ``log P(readout)`` at its label opening, [K] in float32, from one forward pass
-    (``items_read_prefix``: :meth:`IsolatedInputs.mask_and_positions`).
+    (the mask: :meth:`IsolatedInputs.mask_and_positions`).
 
     A bfloat16 model runs under autocast (training); the head and the log-softmax run in float32: a
     bfloat16 score of ~-20 is rounded to steps of 0.125, and near-ties would then break by place."""
-    mask, positions = inputs.mask_and_positions(items_read_prefix)
+    mask, positions = inputs.mask_and_positions()
     ids = torch.tensor([inputs.token_ids], device=causal_lm.device)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
         hidden = causal_lm.model(input_ids=ids, attention_mask=mask.to(ids.device),

@@ -37,7 +37,7 @@ from kvshard_sidecar.blockstore import BlockStore, encode_block
 from kvshard_sidecar.engine.methods import method_settings
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.exchange import KVExchange
-from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout, scoring_prompt
+from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout, prefill_context_for, scoring_prompt
 from kvshard_sidecar.metrics import SidecarMetrics
 from kvshard_sidecar.peers import HoldersOf, PeerFetcher, PlacementHolders, static_holders
 from kvshard_sidecar.pressure import PressureTracker
@@ -131,7 +131,7 @@ class SidecarService:
                                    self.store, self.blend_defaults)
         eos = loaded.tokenizer.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-        self.readout = Readout.for_model(loaded.tokenizer, self.scorer)
+        self.readout = Readout.for_model(loaded.tokenizer, self.model_path)
         self.limits = Limits(min(self.settings.max_candidates, self._builder.max_candidates),
                              self.settings.max_history, self.settings.max_new_tokens,
                              num_layers=self._engine.executor.shape.num_layers)
@@ -208,10 +208,8 @@ class SidecarService:
     def _blend_settings(self, policy: BlendPolicy) -> BlendSettings:
         """The engine settings of a blend policy on this sidecar's device (``--selector``, when given,
         replaces the method's selector: the flag of sidecars older than named methods)."""
-        # a late-interaction scorer's items read only themselves: blocks prefilled alone behind an exact
-        # history serve it exactly (:mod:`kvshard_sidecar.isolated_scorer`)
         base = BlendSettings(device=self.settings.device, dtype=self.settings.dtype,
-                             prefill_context="history" if self.scorer == "late" else "system")
+                             prefill_context=prefill_context_for(self.scorer))
         if self.settings.selector and policy.reason == "Flags":
             return base.with_(selector=self.settings.selector, ratio=policy.ratio)
         return method_settings(policy.method, policy.ratio, base)

@@ -79,15 +79,20 @@ def test_a_prompt_that_is_not_a_scorer_prompt_is_refused(engine: BlendEngine, sm
         engine.blend(built.prompt, readout=Readout(readout_id(smollm2.tokenizer)))  # the question is still there
 
 
-@pytest.mark.parametrize("method", ["none", "tail", "deviation"])
+@pytest.mark.parametrize(("method", "interaction"), [("none", 0), ("tail", 0), ("deviation", 0), ("none", 3),
+                                                     ("tail", 3)])
 def test_the_late_scorer_is_served_exactly_from_item_blocks_prefilled_alone(
-        engine: BlendEngine, smollm2: Any, movielens: Any, method: str) -> None:
-    """Its items read only themselves: the history is an exact prefix, item blocks prefilled alone are
-    what a full prefill computes, so every ratio — even none, labels only — equals full prefill."""
+        engine: BlendEngine, smollm2: Any, movielens: Any, method: str, interaction: int) -> None:
+    """Its items read only themselves but for their last ``interaction`` tokens: the history is an exact
+    prefix, item blocks prefilled alone are what a full prefill computes for the other item tokens, so
+    every ratio — even none: the labels and the interaction tokens — equals full prefill."""
     built = _built(smollm2, movielens)
-    late = Readout(readout_id(smollm2.tokenizer), items_read_prefix=False)
+    late = Readout(readout_id(smollm2.tokenizer), interaction=interaction)
+    inputs = IsolatedInputs.of(built, interaction)
     with torch.inference_mode():
-        expected = isolated_scores(smollm2.model, IsolatedInputs.of(built), late.token, items_read_prefix=False)
+        expected = isolated_scores(smollm2.model, inputs, late.token)
+        reading_everything = isolated_scores(smollm2.model, IsolatedInputs.of(built), late.token)
+    assert not torch.allclose(expected, reading_everything, atol=1e-3)  # the mask matters
     full = engine.full(scoring_prompt(built), readout=late)
     assert full.scores is not None
     torch.testing.assert_close(full.scores, expected, atol=1e-4, rtol=1e-4)
@@ -96,4 +101,6 @@ def test_the_late_scorer_is_served_exactly_from_item_blocks_prefilled_alone(
     assert blended.scores is not None and blended.exact_prefix_tokens > len(built.prompt.segments[0])
     torch.testing.assert_close(blended.scores, full.scores, atol=1e-4, rtol=1e-4)
     if method == "none":
-        assert blended.recompute_ratio < 0.25  # the header and the labels
+        recomputed = set(blended.selected.tolist())
+        assert set(inputs.readers()) <= recomputed and len(inputs.readers()) == interaction * len(inputs.blocks)
+        assert blended.recomputed_tokens <= len(inputs.readers()) + 0.25 * blended.num_tokens  # + header, labels

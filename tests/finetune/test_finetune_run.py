@@ -121,3 +121,29 @@ def test_label_positions_point_at_each_candidates_label_token(label_position: st
     assert positions == sorted(positions) and len(set(positions)) == 4
     closing = {tokenizer.decode(ids[p + 1]) for p in positions}
     assert closing == ({"]"} if label_position == "after" else {"."})
+
+
+@pytest.mark.model
+def test_a_warm_start_continues_from_the_adapter_and_refuses_another_shape(tiny_adapter: Path) -> None:
+    import dataclasses
+
+    import torch
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from kvshard_sidecar.adapter_merge import AdapterError
+    from kvshard_sidecar.finetune import lora_model, warm_start
+    from kvshard_sidecar.model import load_model
+
+    words = json.loads((tiny_adapter / "provenance.json").read_text())["command"].split()[1:]
+    base, settings = default_model_path(), from_args(build_parser(words).parse_args(words))
+    fresh = lora_model(load_model(base).model, dataclasses.replace(settings, seed=1))
+    record = warm_start(fresh, tiny_adapter, base)
+    saved = load_file(str(tiny_adapter / "adapter_model.safetensors"))
+    loaded = get_peft_model_state_dict(fresh)
+    assert saved.keys() == loaded.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert record["sha256"] == json.loads((tiny_adapter / "provenance.json").read_text())["adapter_sha256"]
+
+    wider = lora_model(load_model(base).model, dataclasses.replace(settings, rank=4, alpha=8))
+    with pytest.raises(AdapterError, match="rank 2.*rank 4"):
+        warm_start(wider, tiny_adapter, base)

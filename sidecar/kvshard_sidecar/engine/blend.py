@@ -79,6 +79,18 @@ class Geometry:
     """bool ``[N, N]``: row ``i`` may attend to row ``j``."""
 
 
+@dataclass(frozen=True)
+class _Scoring:
+    """How a scorer prompt is run and read (:meth:`BlendEngine._scoring`)."""
+
+    geometry: Geometry
+    rows: torch.Tensor
+    """long ``[K]``: each candidate's label opening, where its score is read."""
+    token: int
+    readers: torch.Tensor
+    """long: item rows that read the prefix although their cached block did not (``late`` interaction)."""
+
+
 @dataclass
 class _Assembly:
     kv: KVBuffer
@@ -372,7 +384,7 @@ class BlendEngine:
         settings.validate(self.executor.shape.num_layers)
         start = time.perf_counter()
         scoring = self._scoring(prompt, readout)
-        stats = self._assemble(prompt, settings, upto=None, geometry=scoring[0] if scoring else None)
+        stats = self._assemble(prompt, settings, upto=None, geometry=scoring.geometry if scoring else None)
         if oracle is not None:
             oracle.apply(stats.kv)
         free = [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.FREE] if scoring else []
@@ -381,6 +393,7 @@ class BlendEngine:
             spans = prompt.spans
             items = tuple((span.start, span.end) for span in spans if span.segment.kind is SegmentKind.ITEM)
             layout = replace(layout, answer_blocks=items)
+            layout.forced[scoring.readers[scoring.readers >= stats.exact_prefix].cpu()] = True
         steps = plan(layout, settings)
         device = self.executor.device
         steps = replace(steps, initial=steps.initial.to(device), pinned=steps.pinned.to(device))
@@ -391,15 +404,17 @@ class BlendEngine:
         return self._finish(settings.selector, prompt, ids, steps, stats, start, causal=False,
                             calibration=calibration, scoring=scoring)
 
-    def _scoring(self, prompt: Prompt, readout: Readout | None) -> tuple[Geometry, torch.Tensor, int] | None:
-        """For a scorer prompt: its geometry, the label-opening rows read, and the readout token."""
+    def _scoring(self, prompt: Prompt, readout: Readout | None) -> _Scoring | None:
+        """For a scorer prompt: its geometry, the label-opening rows read, the readout token and the item
+        rows that must be recomputed for the blend to be exact (a ``late`` scorer's interaction tokens)."""
         if readout is None:
             return None
-        inputs = IsolatedInputs.of_prompt(prompt, readout.items_read_prefix)
+        inputs = IsolatedInputs.of_prompt(prompt, readout.interaction)
         allowed, positions = inputs.mask_and_positions()
         device = self.executor.device
         geometry = Geometry(positions[0].to(device), allowed[0, 0].to(device))
-        return geometry, torch.tensor(inputs.readouts, device=device), readout.token
+        return _Scoring(geometry, torch.tensor(inputs.readouts, device=device), readout.token,
+                        torch.tensor(inputs.readers(), dtype=torch.long))
 
     @staticmethod
     def layout(prompt: Prompt, exact_prefix: int, settings: BlendSettings, forced: Sequence[int] = ()) -> Layout:
@@ -415,12 +430,12 @@ class BlendEngine:
     def _finish(
         self, method: str, prompt: Prompt, ids: torch.Tensor, steps: Plan, stats: _Assembly,
         start: float, causal: bool, calibration: tuple[float, float, int] | None = None,
-        scoring: tuple[Geometry, torch.Tensor, int] | None = None,
+        scoring: _Scoring | None = None,
     ) -> BlendResult:
         t0 = time.perf_counter()
         hidden, token_layers, selected = self._run(stats.kv, ids, steps, causal=causal, need_hidden=True,
                                                    calibration=calibration,
-                                                   geometry=scoring[0] if scoring else None)
+                                                   geometry=scoring.geometry if scoring else None)
         self._sync()
         t1 = time.perf_counter()
         assert hidden is not None
@@ -428,7 +443,7 @@ class BlendEngine:
         logits = logits.cpu()
         scores = None
         if scoring is not None:
-            scores = self._readout_scores(hidden, selected, scoring[1], scoring[2]).cpu()
+            scores = self._readout_scores(hidden, selected, scoring.rows, scoring.token).cpu()
         t2 = time.perf_counter()
         timings = dict(stats.timings, layers=t1 - t0, head=t2 - t1)
         return BlendResult(
