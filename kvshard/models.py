@@ -1,6 +1,6 @@
 """Which model a component serves, named the same way everywhere, and how that model must be asked.
 
-Every component (sidecar, local cluster, demo, benchmarks) takes ``--model base|finetuned|PATH``.
+Every component (sidecar, local cluster, demo, benchmarks) takes ``--model base|finetuned|scorer|late|PATH``.
 ``finetuned`` — the recommender ``kvshard model prepare`` merges from the adapter the repository
 ships — is the default: the base SmolLM2 answers "A" whatever the items (issue 20), so fidelity and
 hit ratios measured on it say little. The base stays one word away.
@@ -24,6 +24,9 @@ from kvshard.prompt_template import PromptTemplate
 BASE_NAME = "SmolLM2-135M-Instruct"
 FINETUNED_NAME = "SmolLM2-135M-MovieLens-Rec"
 SCORER_NAME = "SmolLM2-135M-MovieLens-Scorer"
+LATE_NAME = "SmolLM2-135M-MovieLens-Late"
+MERGED_NAMES = {"finetuned": FINETUNED_NAME, "scorer": SCORER_NAME, "late": LATE_NAME}
+"""``--model`` word → the folder ``kvshard model prepare`` merges from a shipped adapter."""
 DEFAULT_MODEL = "finetuned"
 IDENTITY_FILE = "kvshard-identity.json"
 MERGE_RECORD = "kvshard-adapter.json"
@@ -34,8 +37,8 @@ only themselves, the label opening alone reading the prefix (``late`` interactio
 block holds). A merged model records the one it was trained for."""
 MODEL_HELP = ("'finetuned' (the MovieLens recommender `kvshard model prepare` merges from the shipped adapter), "
               "'base' (SmolLM2-135M-Instruct), 'scorer' (the MovieLens scorer: each candidate scored alone, so the "
-              "ranking is the same under every candidate order; served in rank mode only) or "
-              "a model folder")
+              "ranking is the same under every candidate order; served in rank mode only), 'late' (the same, "
+              "its item tokens reading only themselves: served exactly from cached item blocks) or a model folder")
 
 
 def base_model_path() -> Path:
@@ -48,19 +51,14 @@ def finetuned_model_path() -> Path:
     return models_dir() / FINETUNED_NAME
 
 
-def scorer_model_path() -> Path:
-    """Where ``kvshard model prepare`` puts the merged isolated scorer (inside the user cache folder)."""
-    return models_dir() / SCORER_NAME
-
-
 def resolve_model(spec: str | Path | None, default: str = DEFAULT_MODEL) -> Path:
-    """A ``--model`` value as a folder: ``finetuned``, ``scorer``, ``base`` or a path (``None``: ``default``)."""
+    """A ``--model`` value as a folder: ``base``, a word of :data:`MERGED_NAMES` or a path (``None``: ``default``)."""
     chosen = default if spec is None else spec
     if chosen == "base":
         return base_model_path()
-    merged = {"finetuned": finetuned_model_path, "scorer": scorer_model_path}.get(str(chosen))
+    merged = MERGED_NAMES.get(str(chosen))
     if merged is not None:
-        path = merged()
+        path = models_dir() / merged
         if not (path / IDENTITY_FILE).exists():
             raise FileNotFoundError(f"the merged model {chosen!r} is not prepared at {path}: run `kvshard model "
                                     "prepare` (it merges the shipped adapters), or choose --model base")

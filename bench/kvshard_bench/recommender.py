@@ -56,10 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvshard bench recommender``."""
     parser.add_argument("--dataset", default="movielens-100k", metavar="NAME|PATH",
                         help="built-in dataset name or folder (default: %(default)s)")
-    parser.add_argument("--models", nargs="+", default=["base", "finetuned", "scorer"],
-                        metavar="base|finetuned|scorer|PATH",
+    parser.add_argument("--models", nargs="+", default=["base", "finetuned", "scorer", "late"],
+                        metavar="base|finetuned|scorer|late|PATH",
                         help="models to compare: 'base' (prepared SmolLM2), 'finetuned' (the merged answer-position "
-                             "recommender), 'scorer' (the merged isolated scorer) or a model folder; a merged model "
+                             "recommender), 'scorer' (the merged isolated scorer), 'late' (the merged late-interaction "
+                             "scorer) or a model folder; a merged model "
                              "that is not prepared is skipped (default: %(default)s)")
     parser.add_argument("--users", type=int, default=50, help="held-out users, one request each (default: %(default)s)")
     parser.add_argument("--history", type=int, default=30, help="history items per user (default: %(default)s)")
@@ -79,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(spec: str) -> Path | None:
-    """'base' / 'finetuned' / 'scorer' / a folder → a folder; ``None`` for a merged model that is not prepared."""
+    """'base' / 'finetuned' / 'scorer' / 'late' / a folder → a folder; ``None`` for a merged model that is not
+    prepared."""
     from kvshard.models import resolve_model as resolve
 
     try:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvshard.models import FINETUNED_NAME, IDENTITY_FILE, MERGE_RECORD, SCORER_NAME
+from kvshard.models import FINETUNED_NAME, IDENTITY_FILE, LATE_NAME, MERGE_RECORD, SCORER_NAME
 from kvshard_sidecar.finetune_report import PROVENANCE_FILE, sha256_file
 from kvshard_sidecar.model import read_identity, write_identity
 
@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 SHIPPED_ADAPTERS = Path(__file__).parent / "adapters"
 MOVIELENS_ADAPTER = SHIPPED_ADAPTERS / "movielens-rec"
 MOVIELENS_SCORER_ADAPTER = SHIPPED_ADAPTERS / "movielens-scorer"
-SHIPPED = ((MOVIELENS_ADAPTER, FINETUNED_NAME), (MOVIELENS_SCORER_ADAPTER, SCORER_NAME))
+MOVIELENS_LATE_ADAPTER = SHIPPED_ADAPTERS / "movielens-late"
+SHIPPED = ((MOVIELENS_ADAPTER, FINETUNED_NAME), (MOVIELENS_SCORER_ADAPTER, SCORER_NAME),
+           (MOVIELENS_LATE_ADAPTER, LATE_NAME))
 """Each shipped adapter and the name of the prepared folder it is merged into."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

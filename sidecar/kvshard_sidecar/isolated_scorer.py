@@ -45,6 +45,7 @@ import torch
 from kvshard.models import model_interaction, model_scorer
 from kvshard.prompts import RecommendationPrompt
 from kvshard.segments import Prompt, Segment, SegmentKind
+from kvshard_sidecar.engine.settings import PrefillContext
 
 READOUT = " yes"
 
@@ -138,7 +139,7 @@ class IsolatedInputs:
                 for row in range(max(start, opening - self.interaction), opening)]
 
 
-def prefill_context_for(scorer: str) -> str:
+def prefill_context_for(scorer: str) -> PrefillContext:
     """What a model's item blocks are prefilled behind by default (``BlendSettings.prefill_context``): a
     ``late`` scorer's items read only themselves, so blocks prefilled alone behind an exact history serve
     it exactly (``history``); every other model's items read what comes before them (``system``)."""

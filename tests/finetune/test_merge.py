@@ -106,7 +106,7 @@ def test_every_model_flag_spells_models_the_same_way(tmp_path: Path, monkeypatch
     assert resolve_model(None, default="base") == resolve_model("base") == default_model_path()
     assert resolve_model(str(tmp_path / "mine")) == tmp_path / "mine"
     monkeypatch.setenv("KVSHARD_CACHE_DIR", str(tmp_path / "empty-cache"))
-    for unprepared in ("finetuned", None):
+    for unprepared in ("finetuned", "scorer", "late", None):
         with pytest.raises(FileNotFoundError, match="kvshard model prepare"):
             resolve_model(unprepared)
 

@@ -1,6 +1,7 @@
-"""A sidecar serving the shipped scorer (``--model scorer``): it ranks every candidate, each scored alone, the
-same ranking under every candidate order; it refuses to generate; a blended answer is full prefill's where
-the scorer is served exactly from cache; and the shadow checks measure that in production."""
+"""A sidecar serving a shipped scorer (``--model scorer``, the isolated one, and ``--model late``): it ranks every
+candidate, each scored alone, the same ranking under every candidate order; it refuses to generate; a blended
+answer is full prefill's where the scorer is served exactly from cache (``late``); and the shadow checks
+measure that in production."""
 
 from __future__ import annotations
 
@@ -9,27 +10,32 @@ from typing import Any
 import pytest
 from sidecar_process import Sidecar, SidecarFactory
 
-from kvshard.models import SCORER_NAME, model_scorer, resolve_model
+from kvshard.models import MERGED_NAMES, model_scorer, resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 REQUEST = {"user_id": "1", "history": ["1", "2", "3", "4", "5", "6"], "candidates": ["50", "172", "181", "7", "98"]}
 
 
+@pytest.fixture(scope="module", params=["scorer", "late"])
+def model(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def sidecar(start_sidecar: SidecarFactory) -> Sidecar:
-    return start_sidecar("--model", "scorer", "--shadow-sample-rate", "1", "--shadow-budget-percent", "100",
-                         name="scorer")
+def sidecar(start_sidecar: SidecarFactory, model: str) -> Sidecar:
+    return start_sidecar("--model", model, "--shadow-sample-rate", "1", "--shadow-budget-percent", "100",
+                         name=model)
 
 
 def _scores(body: dict[str, Any]) -> dict[str, float]:
     return {r["candidate"]: r["logprob"] for r in body["ranking"]}
 
 
-def test_the_scorer_ranks_every_candidate_the_same_under_every_order(sidecar: Sidecar) -> None:
+def test_the_scorer_ranks_every_candidate_the_same_under_every_order(sidecar: Sidecar, model: str) -> None:
     status, body = sidecar.json("POST", "/v1/recommend", REQUEST)
     assert status == 200, body
-    assert body["model"] == SCORER_NAME and body["mode"] == "rank"
+    assert body["model"] == MERGED_NAMES[model] and body["mode"] == "rank"
     assert sorted(_scores(body)) == sorted(REQUEST["candidates"])
     status, reversed_body = sidecar.json("POST", "/v1/recommend",
                                          {**REQUEST, "candidates": REQUEST["candidates"][::-1]})
@@ -39,12 +45,13 @@ def test_the_scorer_ranks_every_candidate_the_same_under_every_order(sidecar: Si
     assert reversed_body["candidate"] == body["candidate"]
 
 
-def test_the_blended_ranking_is_full_prefills_where_the_scorer_is_served_exactly(sidecar: Sidecar) -> None:
+def test_the_blended_ranking_is_full_prefills_where_the_scorer_is_served_exactly(sidecar: Sidecar, model: str
+                                                                                  ) -> None:
     _, blended = sidecar.json("POST", "/v1/recommend", REQUEST)
     status, full = sidecar.json("POST", "/v1/recommend", {**REQUEST, "blend": {"method": "full"}})
     assert status == 200, full
     assert full["tokens"]["recompute_ratio"] > blended["tokens"]["recompute_ratio"]
-    if model_scorer(resolve_model("scorer")) == "late":  # items read only themselves: exact from cache
+    if model_scorer(resolve_model(model)) == "late":  # items read only themselves: exact from cache
         assert blended["tokens"]["recompute_ratio"] < 0.3
         assert all(abs(_scores(blended)[c] - _scores(full)[c]) < 1e-3 for c in REQUEST["candidates"])
 
@@ -56,7 +63,7 @@ def test_a_scorer_does_not_generate(sidecar: Sidecar) -> None:
     assert sidecar.json("POST", "/v1/recommend", REQUEST)[0] == 200
 
 
-def test_shadow_checks_compare_the_scores_with_full_prefill(sidecar: Sidecar) -> None:
+def test_shadow_checks_compare_the_scores_with_full_prefill(sidecar: Sidecar, model: str) -> None:
     import time
 
     sidecar.json("POST", "/v1/recommend", REQUEST)
@@ -70,5 +77,5 @@ def test_shadow_checks_compare_the_scores_with_full_prefill(sidecar: Sidecar) ->
             break
         time.sleep(0.5)
     assert checked, "no shadow check ran"
-    if model_scorer(resolve_model("scorer")) == "late":
+    if model_scorer(resolve_model(model)) == "late":
         assert 'result="agree"' in checked and 'result="disagree"' not in checked
