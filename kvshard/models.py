@@ -28,6 +28,11 @@ LATE_NAME = "SmolLM2-135M-MovieLens-Late"
 MERGED_NAMES = {"finetuned": FINETUNED_NAME, "scorer": SCORER_NAME, "late": LATE_NAME}
 """``--model`` word → the folder ``kvshard model prepare`` merges from a shipped adapter."""
 DEFAULT_MODEL = "finetuned"
+DEMO_MODEL = "late"
+"""What ``kvshard demo`` (``make demo``) serves unless told otherwise: the late-interaction scorer. Its
+blended answers are full prefill's — the demo's same-request agreement was 100 % against ``finetuned``'s
+35 % (2026-12-03) — and it ranks above ``finetuned`` and popularity on held-out users. The sidecar and
+``kvshard up`` keep :data:`DEFAULT_MODEL`, which also generates text (a scorer only ranks)."""
 IDENTITY_FILE = "kvshard-identity.json"
 MERGE_RECORD = "kvshard-adapter.json"
 SCORERS = ("answer", "isolated", "late")

@@ -125,6 +125,22 @@ def summarize(choices: Sequence[Sequence[tuple[str, str]]], metrics: Sequence[Se
     return row
 
 
+def popularity_quality(dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]]) -> dict[str, float]:
+    """HR@1/HR@5/NDCG@10 of ranking the candidates by rating count on the same requests and orders — the
+    baseline to beat: against negatives drawn uniformly from unseen items, popularity alone ranks well
+    (``bench/experiments/demo_trace_difficulty.py``). Counted over every interaction but the requests'
+    targets, so no answer is leaked."""
+    counts = Counter(item for history in dataset.histories.values() for item in history)
+    counts.subtract(Counter(user_orders[0].target for user_orders in orders if user_orders))
+    per_user = []
+    for user_orders in orders:
+        answers = [quality([float(counts[c]) for c in r.candidates], r.candidates.index(str(r.target)))
+                   for r in user_orders if r.target in r.candidates]
+        if answers:
+            per_user.append({m: statistics.fmean(a[m] for a in answers) for m in QUALITY_METRICS})
+    return {m: statistics.fmean(u[m] for u in per_user) if per_user else 0.0 for m in QUALITY_METRICS}
+
+
 def meets_targets(row: Row) -> bool:
     return bool(row["hr1"] >= TARGETS["hr1"] and row["position_consistency"] >= TARGETS["position_consistency"]
                 and row["max_label_share"] <= TARGETS["max_label_share"])
@@ -229,6 +245,8 @@ def run(args: argparse.Namespace) -> list[Row]:
               f"held-out users (fraction {args.heldout_fraction}, salt {args.split_salt})",
               "target": "each user's last interaction"}
     expected = {f"random_{m}": v for m, v in random_quality(args.candidates).items()}
+    popularity = popularity_quality(dataset, orders)
+    expected |= {f"popularity_{m}": v for m, v in popularity.items()}
     rows: list[Row] = []
     for spec in args.models:
         path = resolve_model(spec)
@@ -241,18 +259,22 @@ def run(args: argparse.Namespace) -> list[Row]:
         rows.append(row)
     print(f"{sample_line(len(requests), args.candidates, args.history, sample['permutations'], 'users')}, "
           f"seed {args.seed}, {sample['split']}")
-    print(format_table(rows, args.candidates, sample["permutations"]))
+    print(format_table(rows, args.candidates, sample["permutations"], popularity))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
 
 
-def format_table(rows: Sequence[Row], candidates: int, orders: int) -> str:
+def format_table(rows: Sequence[Row], candidates: int, orders: int,
+                 popularity: dict[str, float] | None = None) -> str:
     headers = ["model", "hr1", "hr1 95% CI", "hr5", "ndcg10", "consistency", "max label", "targets"]
     cells = [[row["model"], f"{row['hr1']:.3f}", f"{row['hr1_ci'][0]:.2f}–{row['hr1_ci'][1]:.2f}",
               f"{row['hr5']:.3f}", f"{row['ndcg10']:.3f}", f"{row['position_consistency']:.2f}",
               f"{row['max_label_share']:.2f} ({row['max_label']})", "met" if row["targets_met"] else "not met"]
              for row in rows]
+    if popularity is not None:
+        cells.append(["popularity (rating count)", f"{popularity['hr1']:.3f}", "-", f"{popularity['hr5']:.3f}",
+                      f"{popularity['ndcg10']:.3f}", "1.00", "-", "-"])
     expected = random_quality(candidates)
     cells.append(["random", f"{expected['hr1']:.3f}", "-", f"{expected['hr5']:.3f}", f"{expected['ndcg10']:.3f}",
                   f"{1 / candidates ** (orders - 1):.4f}", f"~{1 / candidates:.2f}", "-"])

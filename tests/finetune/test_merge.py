@@ -100,9 +100,12 @@ def test_prepare_merges_a_shipped_adapter_once(tiny_adapter: Path, tmp_path: Pat
 
 
 def test_every_model_flag_spells_models_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvshard.models import DEFAULT_MODEL, resolve_model
+    from kvshard.cli import build_parser
+    from kvshard.models import DEFAULT_MODEL, DEMO_MODEL, resolve_model
 
     assert DEFAULT_MODEL == "finetuned"  # the recommender, not the model that answers "A" whatever the items
+    # the demo serves the scorer whose blended answers are full prefill's
+    assert DEMO_MODEL == "late" and build_parser(["demo"]).parse_args(["demo"]).model == DEMO_MODEL
     assert resolve_model(None, default="base") == resolve_model("base") == default_model_path()
     assert resolve_model(str(tmp_path / "mine")) == tmp_path / "mine"
     monkeypatch.setenv("KVSHARD_CACHE_DIR", str(tmp_path / "empty-cache"))

@@ -9,7 +9,15 @@ import pytest
 
 from kvshard.cli import build_parser
 from kvshard.prompts import RecommendationRequest
-from kvshard_bench.recommender import bootstrap_ci, meets_targets, permutations, resolve_model, run, summarize
+from kvshard_bench.recommender import (
+    bootstrap_ci,
+    meets_targets,
+    permutations,
+    popularity_quality,
+    resolve_model,
+    run,
+    summarize,
+)
 
 PERFECT = {"hr1": 1.0, "hr5": 1.0, "ndcg10": 1.0}
 MISS = {"hr1": 0.0, "hr5": 1.0, "ndcg10": 0.5}
@@ -41,6 +49,24 @@ def test_permutations_reorder_the_same_candidates_deterministically() -> None:
     assert all(sorted(o.candidates) == sorted(request.candidates) and o.target == "c3" for o in orders)
     assert len({o.candidates for o in orders}) == 3
     assert permutations([request], 3, seed=5)[0] == orders
+
+
+def test_the_popularity_baseline_ranks_by_rating_count_without_counting_the_targets() -> None:
+    from kvshard.datasets import Dataset, Item
+
+    items = {i: Item(i, i) for i in ("hit", "popular", "x", "h")}
+    histories = {"u1": ["h", "hit"], "u2": ["hit", "popular"], "u3": ["hit", "popular"], "u4": ["hit"],
+                 "u5": ["h", "x"], "u6": ["x"], "u7": ["x"]}
+    dataset = Dataset("toy", items, histories)
+    # "hit": 4 ratings, one of them u1's target → 3, above "popular"'s 2
+    first = RecommendationRequest("u1", ("h",), ("popular", "hit", "x"), "hit")
+    assert popularity_quality(dataset, [[first]]) == {"hr1": 1.0, "hr5": 1.0, "ndcg10": 1.0}
+    # "x": 3 ratings, one of them u5's target → 2, a tie with "popular", which stands first; counted with
+    # the target's own rating it would have won
+    behind = RecommendationRequest("u5", ("h",), ("popular", "x"), "x")
+    ahead = RecommendationRequest("u5", ("h",), ("x", "popular"), "x")
+    assert popularity_quality(dataset, [[behind]])["hr1"] == 0.0
+    assert popularity_quality(dataset, [[behind, ahead]])["hr1"] == 0.5  # one user, mean over the orders
 
 
 def test_bootstrap_interval_brackets_the_mean() -> None:
