@@ -131,7 +131,8 @@ def popularity_quality(dataset: Dataset, orders: Sequence[Sequence[Recommendatio
     (``bench/experiments/demo_trace_difficulty.py``). Counted over every interaction but the requests'
     targets, so no answer is leaked."""
     counts = Counter(item for history in dataset.histories.values() for item in history)
-    counts.subtract(Counter(user_orders[0].target for user_orders in orders if user_orders))
+    counts.subtract(Counter(str(user_orders[0].target) for user_orders in orders
+                            if user_orders and user_orders[0].target is not None))
     per_user = []
     for user_orders in orders:
         answers = [quality([float(counts[c]) for c in r.candidates], r.candidates.index(str(r.target)))
