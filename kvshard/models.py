@@ -96,6 +96,17 @@ def model_interaction(model: Path) -> int:
     return interaction
 
 
+def model_blend(model: Path) -> dict[str, object]:
+    """The ``spec.blend`` fields ``model`` calls for (``{}``: kvshard's defaults).
+
+    A ``late`` scorer's item tokens, but for its last ``interaction`` ones, read only their item: a cached
+    item block prefilled behind an exact history *is* full prefill for them, and every blend recomputes
+    the interaction tokens and the labels anyway (the readers). So ``none`` at ratio 0 is exact, and each
+    row a ratio adds is time spent for nothing (``kvshard bench fidelity --model late``: ``none`` 2.63×
+    full prefill's speed with top-1 agreement 1.00, ``tail`` at .3 2.14× with the same answers)."""
+    return {"method": "none", "ratioPercent": 0} if model_scorer(model) == "late" else {}
+
+
 def scorer_refusal(model: Path, who: str) -> str | None:
     """Why ``who`` — something that reads the answer position through vLLM — cannot use ``model`` (``None``
     when it can): a model trained for another scorer would be asked a question it was never trained to

@@ -16,6 +16,10 @@ never saw (:class:`kvshard.splits.UserSplit`) — and reports, per model:
 * ``max_label_share`` — share of all answers that went to the most chosen label letter (a
   position-biased model answers "A" everywhere: 1.0; the target's letter is uniform: ≈ 1/K).
 
+Beside the models, two model-free rankings of the same requests say how good a recommender is at all:
+popularity (rating count) and item-kNN (co-occurrence with the history over training users, the
+fine-tuning teacher); their numbers are in every JSON row as ``popularity_*`` and ``item_knn_*``.
+
 Every request is scored under the same permutations for every model. Rows carry the model name and
 weights hash, the sample (dataset, users, history, candidates, seed, split) and whether the issue's
 targets (HR@1 ≥ 0.30, consistency ≥ 0.8, no letter above 25 %) are met.
@@ -28,7 +32,7 @@ import json
 import random
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +50,12 @@ from kvshard.prompts import (
 from kvshard.ranking import QUALITY_METRICS, best_index, quality, random_quality
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
 from kvshard_bench.tables import format_cells
+from kvshard_sidecar.finetune_teacher import ItemKnnTeacher
 
 Row = dict[str, Any]
 TARGETS = {"hr1": 0.30, "position_consistency": 0.8, "max_label_share": 0.25}
 BOOTSTRAP_SAMPLES = 1000
+BASELINE_NAMES = {"popularity": "popularity (rating count)", "item_knn": "item-kNN (training users)"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,9 +139,26 @@ def popularity_quality(dataset: Dataset, orders: Sequence[Sequence[Recommendatio
     counts = Counter(item for history in dataset.histories.values() for item in history)
     counts.subtract(Counter(str(user_orders[0].target) for user_orders in orders
                             if user_orders and user_orders[0].target is not None))
+    return baseline_quality(orders, lambda r: [float(counts[c]) for c in r.candidates])
+
+
+def item_knn_quality(dataset: Dataset, split: UserSplit,
+                     orders: Sequence[Sequence[RecommendationRequest]]) -> dict[str, float]:
+    """The same for item-kNN (:class:`~kvshard_sidecar.finetune_teacher.ItemKnnTeacher`, the fine-tuning
+    teacher): cosine co-occurrence over the *training* users' interactions before their second-to-last,
+    summed over the request's history. The collaborative-filtering baseline a language-model recommender
+    trained on these users is measured against — no held-out user and no target is in its counts."""
+    teacher = ItemKnnTeacher(dataset.histories, split.training_users(dataset))
+    return baseline_quality(orders, lambda r: teacher.scores(r.history, r.candidates))
+
+
+def baseline_quality(orders: Sequence[Sequence[RecommendationRequest]],
+                     scores: Callable[[RecommendationRequest], list[float]]) -> dict[str, float]:
+    """HR@1/HR@5/NDCG@10 of a model-free ranking ``scores`` on the benchmark's requests, averaged like a
+    model's row (per user over the orders, then over users)."""
     per_user = []
     for user_orders in orders:
-        answers = [quality([float(counts[c]) for c in r.candidates], r.candidates.index(str(r.target)))
+        answers = [quality(scores(r), r.candidates.index(str(r.target)))
                    for r in user_orders if r.target in r.candidates]
         if answers:
             per_user.append({m: statistics.fmean(a[m] for a in answers) for m in QUALITY_METRICS})
@@ -246,8 +269,9 @@ def run(args: argparse.Namespace) -> list[Row]:
               f"held-out users (fraction {args.heldout_fraction}, salt {args.split_salt})",
               "target": "each user's last interaction"}
     expected = {f"random_{m}": v for m, v in random_quality(args.candidates).items()}
-    popularity = popularity_quality(dataset, orders)
-    expected |= {f"popularity_{m}": v for m, v in popularity.items()}
+    baselines = {"popularity": popularity_quality(dataset, orders),
+                 "item_knn": item_knn_quality(dataset, split, orders)}
+    expected |= {f"{name}_{m}": v for name, quality_of in baselines.items() for m, v in quality_of.items()}
     rows: list[Row] = []
     for spec in args.models:
         path = resolve_model(spec)
@@ -260,22 +284,22 @@ def run(args: argparse.Namespace) -> list[Row]:
         rows.append(row)
     print(f"{sample_line(len(requests), args.candidates, args.history, sample['permutations'], 'users')}, "
           f"seed {args.seed}, {sample['split']}")
-    print(format_table(rows, args.candidates, sample["permutations"], popularity))
+    print(format_table(rows, args.candidates, sample["permutations"], baselines))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
 
 
 def format_table(rows: Sequence[Row], candidates: int, orders: int,
-                 popularity: dict[str, float] | None = None) -> str:
+                 baselines: dict[str, dict[str, float]] | None = None) -> str:
     headers = ["model", "hr1", "hr1 95% CI", "hr5", "ndcg10", "consistency", "max label", "targets"]
     cells = [[row["model"], f"{row['hr1']:.3f}", f"{row['hr1_ci'][0]:.2f}–{row['hr1_ci'][1]:.2f}",
               f"{row['hr5']:.3f}", f"{row['ndcg10']:.3f}", f"{row['position_consistency']:.2f}",
               f"{row['max_label_share']:.2f} ({row['max_label']})", "met" if row["targets_met"] else "not met"]
              for row in rows]
-    if popularity is not None:
-        cells.append(["popularity (rating count)", f"{popularity['hr1']:.3f}", "-", f"{popularity['hr5']:.3f}",
-                      f"{popularity['ndcg10']:.3f}", "1.00", "-", "-"])
+    for name, baseline in (baselines or {}).items():
+        cells.append([BASELINE_NAMES.get(name, name), f"{baseline['hr1']:.3f}", "-", f"{baseline['hr5']:.3f}",
+                      f"{baseline['ndcg10']:.3f}", "1.00", "-", "-"])
     expected = random_quality(candidates)
     cells.append(["random", f"{expected['hr1']:.3f}", "-", f"{expected['hr5']:.3f}", f"{expected['ndcg10']:.3f}",
                   f"{1 / candidates ** (orders - 1):.4f}", f"~{1 / candidates:.2f}", "-"])

@@ -54,7 +54,7 @@ from kvshard.local.kubeapi import CACHESHARDS, KubeApi, condition
 from kvshard.local.kubelet import Kubelet, PodProcess
 from kvshard.local.scaling import LocalAutoscaler, ScaleChange, local_rules, scale_pods
 from kvshard.local.settings import LocalClusterSettings
-from kvshard.models import model_prompt, prompt_for_model, resolve_model
+from kvshard.models import model_blend, model_prompt, prompt_for_model, resolve_model
 from kvshard.processes import ManagedProcess, ProcessStartError, http_ok
 from kvshard.testing_servers import EtcdServer, PrometheusServer, free_ports
 
@@ -128,8 +128,11 @@ class LocalCluster:
         self._generated = self.settings.cacheshard is None
         self._manifest = manifests.load_cacheshard(self.settings.cacheshard)
         self._prompt = manifests.load_prompt(self.settings.prompt) if self.settings.prompt else None
+        self._blend: dict[str, object] = {}
         if self._generated:  # the CacheShard it writes asks the model as it was trained (e.g. labelPosition)
-            self._prompt = prompt_for_model(self._prompt, model_prompt(resolve_model(self.settings.model)))[0] or None
+            model = resolve_model(self.settings.model)
+            self._prompt = prompt_for_model(self._prompt, model_prompt(model))[0] or None
+            self._blend = model_blend(model)  # and blends it as it calls for (a late scorer: none)
         self.name = str(self._manifest["metadata"]["name"])
         self.pod_names = [f"engine-{i}" for i in range(self.settings.pods)]
         # every port of the cluster in one call, etcd's and Prometheus' too: ports chosen in separate calls
@@ -239,7 +242,7 @@ class LocalCluster:
             etcd_tls_secret=ETCD_TLS_SECRET, prometheus_url=self.prometheus_url, generated=self._generated,
             dataset=self.settings.dataset, clusters=self.settings.clusters_per_pod * self.settings.pods,
             rebalance_interval_seconds=self.settings.rebalance_interval_seconds, prompt=self._prompt,
-            catalog_refresh_seconds=self.settings.catalog_refresh_seconds)
+            catalog_refresh_seconds=self.settings.catalog_refresh_seconds, blend=self._blend)
         (self.run_dir / "cacheshard.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
         self.api.create(CACHESHARDS.format(ns=self.namespace), manifests.as_applied(manifest))
         log.info("applied CacheShard %s/%s (%s clusters)", self.namespace, self.name, manifest["spec"].get("clusters"))

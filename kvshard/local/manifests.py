@@ -77,11 +77,13 @@ def load_cacheshard(path: Path | None = None) -> dict[str, Any]:
 def local_cacheshard(base: Mapping[str, Any], *, namespace: str, etcd_endpoint: str, prometheus_url: str,
                      generated: bool, dataset: str = "movielens-100k", clusters: int = 12,
                      rebalance_interval_seconds: int = 15, etcd_tls_secret: str | None = None,
-                     prompt: Mapping[str, str] | None = None, catalog_refresh_seconds: int = 10) -> dict[str, Any]:
+                     prompt: Mapping[str, str] | None = None, catalog_refresh_seconds: int = 10,
+                     blend: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``base`` pointed at this run's etcd (over TLS with the client certificate in the Secret
     ``etcd_tls_secret``, when given) and Prometheus; ``generated`` also sets catalog (re-read every
-    ``catalog_refresh_seconds`` unless built in), clusters and the rebalance interval (a user's YAML
-    keeps its own); ``prompt``, when given, becomes ``spec.prompt`` of either."""
+    ``catalog_refresh_seconds`` unless built in), clusters, the rebalance interval and the ``blend``
+    fields the model calls for where ``spec.blend`` leaves them unset (a user's YAML keeps its own);
+    ``prompt``, when given, becomes ``spec.prompt`` of either."""
     obj = copy.deepcopy(dict(base))
     obj.setdefault("apiVersion", "kvshard.io/v1alpha1")
     meta = obj.setdefault("metadata", {})
@@ -102,6 +104,8 @@ def local_cacheshard(base: Mapping[str, Any], *, namespace: str, etcd_endpoint: 
         spec["clusters"] = clusters
         spec["rebalance"] = {**(spec.get("rebalance") or {}), "enabled": True,
                              "intervalSeconds": rebalance_interval_seconds}
+        if blend:
+            spec["blend"] = {**blend, **(spec.get("blend") or {})}
     return obj
 
 

@@ -11,6 +11,7 @@ from kvshard.cli import build_parser
 from kvshard.prompts import RecommendationRequest
 from kvshard_bench.recommender import (
     bootstrap_ci,
+    item_knn_quality,
     meets_targets,
     permutations,
     popularity_quality,
@@ -67,6 +68,26 @@ def test_the_popularity_baseline_ranks_by_rating_count_without_counting_the_targ
     ahead = RecommendationRequest("u5", ("h",), ("x", "popular"), "x")
     assert popularity_quality(dataset, [[behind]])["hr1"] == 0.0
     assert popularity_quality(dataset, [[behind, ahead]])["hr1"] == 0.5  # one user, mean over the orders
+
+
+def test_the_item_knn_baseline_ranks_by_co_occurrence_with_the_history_not_popularity() -> None:
+    from kvshard.datasets import Dataset, Item
+    from kvshard.splits import UserSplit
+
+    items = {i: Item(i, i) for i in ("h", "paired", "popular", "x", "y")}
+    # training users' interactions before their last two count: "paired" co-occurs with "h" twice,
+    # "popular" is rated by three users who never rated "h"
+    histories = {"u2": ["h", "paired", "x", "y"], "u3": ["h", "paired", "x", "y"],
+                 "u4": ["popular", "x", "x", "y"], "u5": ["popular", "y", "x", "y"], "u6": ["popular", "x", "x", "y"],
+                 "u1": ["h", "paired"]}
+    dataset = Dataset("toy", items, histories)
+    everyone_trains = UserSplit(0.0, "salt")
+    request = RecommendationRequest("u1", ("h",), ("popular", "paired"), "paired")
+    assert item_knn_quality(dataset, everyone_trains, [[request]])["hr1"] == 1.0
+    assert popularity_quality(dataset, [[request]])["hr1"] == 0.0
+    # the counts stop before each user's second-to-last item: with "paired" there, nothing vouches for it
+    late = {**histories, "u2": ["h", "x", "paired", "y"], "u3": ["h", "x", "paired", "y"]}
+    assert item_knn_quality(Dataset("toy", items, late), everyone_trains, [[request]])["hr1"] == 0.0
 
 
 def test_bootstrap_interval_brackets_the_mean() -> None:

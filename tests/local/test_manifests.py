@@ -3,6 +3,7 @@ promtool accepts, with the labels the rebalancer joins on."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -34,6 +35,28 @@ def test_generated_cacheshard_is_valid_and_points_at_the_local_servers(tmp_path:
     builtin = manifests.local_cacheshard(manifests.load_cacheshard(), namespace="default", etcd_endpoint="e:1",
                                          prometheus_url="http://p:1", generated=True)
     assert builtin["spec"]["catalog"] == {"builtin": "movielens-100k"}
+
+
+def test_a_late_scorer_is_blended_without_recompute_unless_the_cacheshard_says_otherwise(tmp_path: Path) -> None:
+    from kvshard.models import MERGE_RECORD, model_blend
+    from kvshard_operator.validation import violations
+
+    late, answer = tmp_path / "late", tmp_path / "answer"
+    late.mkdir(), answer.mkdir()
+    (late / MERGE_RECORD).write_text(json.dumps({"scorer": "late", "interaction": 4}))
+    assert model_blend(late) == {"method": "none", "ratioPercent": 0}
+    assert model_blend(answer) == {}  # no merge record: the base model, kvshard's defaults
+    generated = manifests.local_cacheshard(manifests.load_cacheshard(), namespace="default", etcd_endpoint="e:1",
+                                           prometheus_url="http://p:1", generated=True, blend=model_blend(late))
+    assert generated["spec"]["blend"] == {"method": "none", "ratioPercent": 0} and violations(generated) == []
+    mine = manifests.load_cacheshard()
+    mine["spec"]["blend"] = {"method": "tail"}
+    kept = manifests.local_cacheshard(mine, namespace="default", etcd_endpoint="e:1", prometheus_url="http://p:1",
+                                      generated=True, blend=model_blend(late))
+    assert kept["spec"]["blend"] == {"method": "tail", "ratioPercent": 0}
+    assert "blend" not in manifests.local_cacheshard(manifests.load_cacheshard(), namespace="default",
+                                                     etcd_endpoint="e:1", prometheus_url="http://p:1",
+                                                     generated=True, blend=model_blend(answer))["spec"]
 
 
 def test_a_users_cacheshard_keeps_its_own_spec_but_uses_the_local_servers(tmp_path: Path) -> None:
