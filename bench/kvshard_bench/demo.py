@@ -13,7 +13,7 @@ then replays MovieLens sessions through the router in three phases:
 :mod:`demo_watch` reads the placement generation and the warm reports from etcd once a second (what
 the router and sidecars follow) and the CacheShard's conditions every few seconds. At the end, a sample
 of the same requests is re-sent one at a time straight to the sidecar that served it, blended and
-with ``blend.ratio = 1`` (exact full prefill), for TTFT, agreement of the chosen candidate and the
+with ``blend.method = full`` (exact full prefill), for TTFT, agreement of the chosen candidate and the
 quality of both rankings against the item the user rated next. The numbers and
 the picture come from :mod:`demo_report`; files go to ``--out`` (default ``<user cache>/demo``).
 
@@ -375,14 +375,14 @@ class Replay:
             return []
         step = max(1, len(ok) // self.settings.pairs)
         chosen = ok[::step][: self.settings.pairs]
-        print(f"re-sending {len(chosen)} requests to their sidecars: blended, then full prefill (blend.ratio=1)",
+        print(f"re-sending {len(chosen)} requests to their sidecars: blended, then full prefill (blend.method=full)",
               flush=True)
         pairs = []
         for record in chosen:
             request = self.requests[record.index]
             url = f"{self.cluster.sidecar_urls[record.pod]}/v1/recommend"
             blended = await self._direct(url, request.body())
-            full = await self._direct(url, request.body(blend={"ratio": 1.0}))
+            full = await self._direct(url, request.body(blend={"method": "full"}))
             if blended is None or full is None:
                 continue
             assert record.pod is not None

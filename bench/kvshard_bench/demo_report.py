@@ -11,7 +11,7 @@ without a cluster:
   the request was sent, for the pods the router chose and for the pods round-robin would have chosen
   on the same requests (``i mod healthy pods``) — a counterfactual computed from the same placement,
   not a second replay;
-* TTFT p50/p99 of the replay, and of blended vs full prefill (``blend.ratio = 1``) on the same
+* TTFT p50/p99 of the replay, and of blended vs full prefill (``blend.method = full``) on the same
   requests sent one at a time to the same sidecar; agreement of the chosen candidate between the two
   (the answer is a ranking over the candidates, :mod:`kvshard.ranking`);
 * recommendation quality — HR@1, HR@5, NDCG@10 of the rankings against the item the user actually

@@ -38,14 +38,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvshard.models import model_interaction, model_scorer
 from kvshard.prompts import RecommendationPrompt
 from kvshard.segments import Prompt, Segment, SegmentKind
-from kvshard_sidecar.engine.settings import PrefillContext
+
+if TYPE_CHECKING:  # the engine imports this module: a runtime import would be circular
+    from kvshard_sidecar.engine.settings import PrefillContext
 
 READOUT = " yes"
 

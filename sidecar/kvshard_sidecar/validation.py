@@ -155,6 +155,12 @@ def parse_blend(value: Any, defaults: BlendSettings, num_layers: int | None = No
             raise RequestError("blend.selector", f"must be one of {', '.join(SELECTORS)}")
         changes["selector"] = blend["selector"]
     if "ratio" in blend and "method" not in blend:  # a method applies its ratio itself
+        if "selector" not in blend and defaults.selector == "none":
+            # silently ignored it would look like a recompute that never happened (e.g. "ratio": 1 taken
+            # for full prefill while a late scorer's CacheShard serves method none)
+            raise RequestError("blend.ratio", "the blend in force recomputes nothing (method none), so a ratio "
+                               "alone changes nothing: name a method with it, e.g. {\"method\": \"tail\", "
+                               "\"ratio\": 0.3}, or {\"method\": \"full\"} for full prefill")
         changes["ratio"] = float(_number(blend, "ratio", 0.0, 0.0, 1.0, where="blend."))
     if "deviation_on" in blend:
         if blend["deviation_on"] not in ("k", "v", "kv"):

@@ -133,6 +133,17 @@ def test_blend_overrides_apply_over_defaults() -> None:
     assert parse_blend(None, defaults) is defaults
 
 
+def test_a_ratio_alone_under_method_none_is_refused_not_silently_ignored() -> None:
+    from kvshard_sidecar.engine.methods import method_settings
+
+    serving_none = method_settings("none", 0.0, BlendSettings())  # a late scorer's CacheShard
+    with pytest.raises(RequestError, match="full") as refused:
+        parse_blend({"ratio": 1.0}, serving_none)
+    assert refused.value.field == "blend.ratio"
+    assert parse_blend({"method": "full"}, serving_none).ratio == 1.0
+    assert parse_blend({"selector": "tail", "ratio": 0.3}, serving_none).ratio == 0.3
+
+
 def test_a_named_method_is_the_benchmarks_settings_at_the_requested_ratio() -> None:
     from kvshard_sidecar.engine.methods import method_settings
 
