@@ -298,7 +298,7 @@ def format_table(rows: Sequence[Row], candidates: int, orders: int,
               f"{row['max_label_share']:.2f} ({row['max_label']})", "met" if row["targets_met"] else "not met"]
              for row in rows]
     for name, baseline in (baselines or {}).items():
-        cells.append([BASELINE_NAMES.get(name, name), f"{baseline['hr1']:.3f}", "-", f"{baseline['hr5']:.3f}",
+        cells.append([BASELINE_NAMES[name], f"{baseline['hr1']:.3f}", "-", f"{baseline['hr5']:.3f}",
                       f"{baseline['ndcg10']:.3f}", "1.00", "-", "-"])
     expected = random_quality(candidates)
     cells.append(["random", f"{expected['hr1']:.3f}", "-", f"{expected['hr5']:.3f}", f"{expected['ndcg10']:.3f}",
