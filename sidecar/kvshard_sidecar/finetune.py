@@ -60,7 +60,8 @@ from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt,
 from kvshard.ranking import QUALITY_METRICS, best_index, quality
 from kvshard.segments import SegmentKind
 from kvshard.splits import UserSplit, training_requests, validation_requests
-from kvshard_sidecar.adapter_merge import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Adapter, AdapterError
+from kvshard_sidecar.adapter_merge import ADAPTER_WEIGHTS
+from kvshard_sidecar.finetune_lora import lineage_seconds, lora_model, save_adapter, warm_start
 from kvshard_sidecar.finetune_report import (
     PROVENANCE_FILE,
     LossCurve,
@@ -264,66 +265,6 @@ def evaluate(causal_lm: Any, examples: Sequence[Example], readout: int = 0) -> d
     return result
 
 
-def lora_model(model: Any, settings: FinetuneSettings) -> Any:
-    """Wrap ``model`` with fresh LoRA adapters (seeded initialisation; B starts at zero, so the wrapped
-    model starts exactly as the base)."""
-    from peft import LoraConfig, get_peft_model
-
-    layers = model.config.num_hidden_layers
-    top = settings.layers if 0 < settings.layers < layers else layers
-    config = LoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0, bias="none",
-        target_modules=list(settings.targets), layers_to_transform=list(range(layers - top, layers)),
-        task_type="CAUSAL_LM",
-    )
-    torch.manual_seed(settings.seed)
-    return get_peft_model(model, config)
-
-
-def warm_start(peft_model: Any, folder: Path, base: Path) -> dict[str, str]:
-    """Load a trained adapter's LoRA weights into the fresh adapters, so training continues from it.
-
-    Why: a late scorer differs from the isolated scorer only in what item tokens may read; starting from
-    the isolated scorer's weights spends the CPU budget on adapting to the tighter mask instead of learning
-    the task again. Refuses an adapter of another shape (rank, alpha, projections, layers) or trained on other
-    base weights: its numbers would not mean the same here."""
-    from peft import set_peft_model_state_dict
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    adapter = Adapter.read(folder)
-    adapter.check_base(base)
-    ours = peft_model.peft_config["default"]
-    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
-    expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(peft_model).items()}
-    if ((int(adapter.config["r"]), float(adapter.config["lora_alpha"])) != (ours.r, float(ours.lora_alpha))
-            or {k: tuple(v.shape) for k, v in tensors.items()} != expected):
-        raise AdapterError(f"{folder}: its LoRA (rank {adapter.config['r']}, alpha {adapter.config['lora_alpha']}, "
-                           f"{len(tensors)} tensors) does not match this run's (rank {ours.r}, alpha "
-                           f"{ours.lora_alpha}, {len(expected)} tensors): give the same --rank, --alpha, "
-                           "--targets and --layers it was trained with")
-    set_peft_model_state_dict(peft_model, tensors)
-    log.info("warm start from %s (sha256 %s…)", folder, adapter.sha256[:12])
-    return {"folder": folder.name, "sha256": adapter.sha256,
-            "command": str(adapter.provenance.get("command", ""))}
-
-
-def save_adapter(peft_model: Any, folder: Path, base_name: str) -> None:
-    """``adapter_model.safetensors`` + ``adapter_config.json`` (peft's format; the base named by its
-    kvshard model name, not by this machine's path)."""
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
-    save_file(state, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = peft_model.peft_config["default"].to_dict()
-    config["base_model_name_or_path"] = base_name
-    config["target_modules"] = sorted(config["target_modules"])
-    config["task_type"] = str(config.get("task_type") or "CAUSAL_LM")
-    config["peft_type"] = str(getattr(config.get("peft_type"), "value", config.get("peft_type")))
-    write_json_atomic(folder / ADAPTER_CONFIG, config)
-
-
 @dataclass
 class FinetuneResult:
     out: Path
@@ -342,7 +283,7 @@ class TrainingData:
     examples: list[Example]
     validation: list[Example]
     teacher: dict[str, object]
-    init_adapter: dict[str, str] | None = None
+    init_adapter: dict[str, object] | None = None
 
 
 def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
@@ -490,6 +431,7 @@ def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str]
         "steps": steps,
         "examples": examples,
         "training_seconds": round(elapsed, 1),
+        "lineage_training_seconds": round(lineage_seconds(elapsed, data.init_adapter), 1),
         "seconds_per_example": round(elapsed / max(1, examples), 3),
         "threads": settings.threads,
         "versions": library_versions(),

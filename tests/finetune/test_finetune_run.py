@@ -132,7 +132,7 @@ def test_a_warm_start_continues_from_the_adapter_and_refuses_another_shape(tiny_
     from safetensors.torch import load_file
 
     from kvshard_sidecar.adapter_merge import AdapterError
-    from kvshard_sidecar.finetune import lora_model, warm_start
+    from kvshard_sidecar.finetune_lora import lora_model, warm_start
     from kvshard_sidecar.model import load_model
 
     words = json.loads((tiny_adapter / "provenance.json").read_text())["command"].split()[1:]
@@ -147,3 +147,23 @@ def test_a_warm_start_continues_from_the_adapter_and_refuses_another_shape(tiny_
     wider = lora_model(load_model(base).model, dataclasses.replace(settings, rank=4, alpha=8))
     with pytest.raises(AdapterError, match="rank 2.*rank 4"):
         warm_start(wider, tiny_adapter, base)
+
+
+def test_a_warm_start_records_every_stage_it_grew_from_and_their_seconds(tmp_path: Path) -> None:
+    from kvshard_sidecar.adapter_merge import Adapter
+    from kvshard_sidecar.finetune_lora import lineage_record, lineage_seconds
+
+    shipped = Path(__file__).resolve().parents[2] / "sidecar" / "kvshard_sidecar" / "adapters"
+    late = Adapter.read(shipped / "movielens-late")
+    chain = lineage_record(shipped / "movielens-late", late.sha256, late.provenance)
+    stages = []
+    stage: object = chain
+    while isinstance(stage, dict):
+        stages.append(stage)
+        stage = stage.get("init_adapter")
+    assert stages[0]["sha256"] == late.sha256 and stages[-1]["folder"] == "movielens-scorer"
+    assert all(s["command"].startswith("kvshard model finetune ") for s in stages)
+    seconds = [float(s["training_seconds"]) for s in stages]
+    assert all(t > 0 for t in seconds)  # a stage recorded before seconds were kept is completed from its folder
+    assert lineage_seconds(60.0, chain) == pytest.approx(60.0 + sum(seconds))
+    assert lineage_seconds(60.0, {"folder": "gone", "sha256": "0", "command": ""}) == 60.0  # unknown: never more
