@@ -43,8 +43,9 @@ def warm_start(peft_model: Any, folder: Path, base: Path) -> dict[str, object]:
 
     Why: a late scorer differs from the isolated scorer only in what item tokens may read; starting from
     the isolated scorer's weights spends the CPU budget on adapting to the tighter mask instead of learning
-    the task again. Refuses an adapter of another shape (rank, alpha, projections, layers) or trained on other
-    base weights: its numbers would not mean the same here."""
+    the task again; and a run stopped by its wall-clock budget continues from its own adapter on new
+    examples (another ``--seed``). Refuses an adapter of another shape (rank, alpha, projections,
+    layers) or trained on other base weights: its numbers would not mean the same here."""
     from peft import set_peft_model_state_dict
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
