@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshard import __version__
-from kvshard.models import DEMO_MODEL, MODEL_HELP
+from kvshard.models import MEASURED_MODEL, MODEL_HELP
 
 DESCRIPTION = """\
 kvshard: beyond-prefix KV caching for LLM generative recommendation.
@@ -127,7 +127,7 @@ def _add_demo_command(sub: Any) -> None:
         "demo is `kvshard sidecar demo`.)",
     )
     demo.add_argument("--pods", type=int, default=3, help="sidecar pods (default: %(default)s)")
-    demo.add_argument("--model", default=DEMO_MODEL, metavar="finetuned|base|scorer|late|PATH",
+    demo.add_argument("--model", default=MEASURED_MODEL, metavar="finetuned|base|scorer|late|PATH",
                       help=f"model the pods serve: {MODEL_HELP} (default: %(default)s)")
     demo.add_argument("--requests", type=int, default=160,
                       help="requests to replay; the burst runs longer if the rebalance is late (default: %(default)s)")

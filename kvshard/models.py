@@ -1,9 +1,10 @@
 """Which model a component serves, named the same way everywhere, and how that model must be asked.
 
 Every component (sidecar, local cluster, demo, benchmarks) takes ``--model base|finetuned|scorer|late|PATH``.
-``finetuned`` — the recommender ``kvshard model prepare`` merges from the adapter the repository
-ships — is the default: the base SmolLM2 answers "A" whatever the items (issue 20), so fidelity and
-hit ratios measured on it say little. The base stays one word away.
+The defaults are recommenders ``kvshard model prepare`` merges from the adapters the repository ships
+(:data:`DEFAULT_MODEL` for the servers, :data:`MEASURED_MODEL` for the demo and the benchmarks): the
+base SmolLM2 answers "A" whatever the items (issue 20), so fidelity and hit ratios measured on it say
+little. The base stays one word away.
 
 A fine-tuned model also fixes part of its prompt: it was trained with one label position, and asked
 another way its ranking is noise. The merge writes those fields into ``kvshard-adapter.json``;
@@ -28,13 +29,14 @@ LATE_NAME = "SmolLM2-135M-MovieLens-Late"
 MERGED_NAMES = {"finetuned": FINETUNED_NAME, "scorer": SCORER_NAME, "late": LATE_NAME}
 """``--model`` word → the folder ``kvshard model prepare`` merges from a shipped adapter."""
 DEFAULT_MODEL = "finetuned"
-DEMO_MODEL = "late"
-"""What ``kvshard demo`` (``make demo``) serves unless told otherwise: the late-interaction scorer. Its
-blended answers are full prefill's — the demo's same-request agreement was 100 % against ``finetuned``'s
-35 % (2026-12-03) — and it meets issue 20's targets on held-out users (HR@1 .346, position consistency
-1.00, most chosen letter 7 %). The sidecar, ``kvshard up``, ``kvshard bench vllm`` and ``kvshard bench
-fidelity`` keep :data:`DEFAULT_MODEL`, which also generates text (a scorer only ranks) and whose blended
-cache is not exact — the model a blend method's frontier is measured on."""
+"""What a server serves unless told otherwise (the sidecar, ``kvshard up``): the answer-position
+recommender, which answers both ``rank`` and ``generate`` requests (a scorer only ranks)."""
+MEASURED_MODEL = "late"
+"""What ``kvshard demo`` (``make demo``) and the benchmarks (``bench fidelity``, ``bench vllm``,
+``bench recommender`` among others) measure unless told otherwise: the late-interaction scorer, the
+recommender that meets issue 20's targets on held-out users (README, "Models") and whose blended
+answers are full prefill's. ``--model finetuned`` measures the answer-position model, whose blended
+cache is not exact — the model a blend method's frontier is drawn on."""
 IDENTITY_FILE = "kvshard-identity.json"
 MERGE_RECORD = "kvshard-adapter.json"
 SCORERS = ("answer", "isolated", "late")
@@ -104,22 +106,9 @@ def model_blend(model: Path) -> dict[str, object]:
     A ``late`` scorer's item tokens, but for its last ``interaction`` ones, read only their item: a cached
     item block prefilled behind an exact history *is* full prefill for them, and every blend recomputes
     the interaction tokens and the labels anyway (the readers). So ``none`` at ratio 0 is exact, and each
-    row a ratio adds is time spent for nothing (``kvshard bench fidelity --model late``: ``none`` 2.63×
-    full prefill's speed with top-1 agreement 1.00, ``tail`` at .3 2.14× with the same answers)."""
+    row a ratio adds is time spent for nothing (``kvshard bench fidelity --model late``: ``none`` 2.76×
+    full prefill's speed with top-1 agreement 1.00, ``tail`` at .3 2.18× with the same answers)."""
     return {"method": "none", "ratioPercent": 0} if model_scorer(model) == "late" else {}
-
-
-def scorer_refusal(model: Path, who: str) -> str | None:
-    """Why ``who`` — something that reads the answer position through vLLM — cannot use ``model`` (``None``
-    when it can): a model trained for another scorer would be asked a question it was never trained to
-    answer, and its "ranking" would be noise."""
-    scorer = model_scorer(model)
-    if scorer == "answer":
-        return None
-    return (f"{model.name} was trained to rank with the {scorer} scorer (each candidate scored alone), which "
-            f"{who} does not serve: it asks vLLM for the label tokens at the answer position, as 'finetuned' and "
-            "'base' answer; the embedded engine serves it (`kvshard sidecar serve --engine embedded`, "
-            "`kvshard bench fidelity`)")
 
 
 def _merge_record(model: Path) -> dict[str, object]:

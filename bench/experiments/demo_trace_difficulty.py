@@ -3,7 +3,7 @@
 `kvshard demo --model late --requests 80 --no-ramp` (2026-12-03) measured HR@1 .03 / HR@5 .20 / NDCG@10
 .23 on its replay (random: .05 / .25 / .23) — full prefill re-sent the same (20 requests: .00 / .10), so
 blending is not the cause — while `kvshard bench recommender` gave the same model .288 / .670 / .563 on
-held-out users (the late adapter shipped since: .346 / .775 / .606 on the bench, .06 / .24 / .25 on the
+held-out users (a later three-run late adapter: .346 / .775 / .606 on the bench, .06 / .24 / .25 on the
 demo's replay). The two differ in the negatives: the bench draws 19 items the user never saw, uniformly;
 the demo's trace (:mod:`kvshard_bench.demo_trace`) draws them from the neighbourhood of the user's recent
 items, weighted by popularity (∝ 1/rank), as a retrieval stage would. A recommender trained on uniform

@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 
 from kvshard.datasets import Dataset, load_dataset
-from kvshard.models import DEMO_MODEL
+from kvshard.models import MEASURED_MODEL
 from kvshard.paths import cache_dir
 from kvshard.placement_schema import Placement
 from kvshard_bench import demo_fidelity, demo_ramp
@@ -60,7 +60,7 @@ HOT_SHARE = 0.7
 @dataclasses.dataclass(frozen=True)
 class DemoSettings:
     pods: int = 3
-    model: str = DEMO_MODEL
+    model: str = MEASURED_MODEL
     requests: int = 160
     users: int = 32
     out: Path | None = None

@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from kvshard.datasets import load_dataset
-from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_scorer, model_template, resolve_model
+from kvshard.models import MEASURED_MODEL, MODEL_HELP, model_scorer, model_template, resolve_model
 from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt, sample_requests
 from kvshard.ranking import QUALITY_METRICS, best_index, kendall_tau, quality, random_quality
 from kvshard_bench.attribution import format_attribution, run_attribution
@@ -90,8 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recalibrate", action="store_true",
                         help="recompute the model's attention calibration (+ape methods) even if one is stored")
     parser.add_argument("--seed", type=int, default=0, help="request sampling seed (default: %(default)s)")
-    parser.add_argument("--model", default=None, metavar="base|finetuned|PATH",
-                        help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=None, metavar="late|finetuned|scorer|base|PATH",
+                        help=f"{MODEL_HELP} (default: {MEASURED_MODEL}; --attribution, --memory and +ape measure an "
+                             "answer-position model: 'finetuned' or 'base')")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per request and method (default: 1)")
     parser.add_argument("--prefill-context", choices=list(PREFILL_CONTEXTS), default=None,
@@ -204,15 +205,20 @@ def run(args: argparse.Namespace) -> list[Row]:
     if args.threads:
         torch.set_num_threads(args.threads)
     dataset = load_dataset(args.dataset)
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, MEASURED_MODEL)
     tokenizer = engine_tokenizer(model)
     scorer = model_scorer(model)
     readout = Readout.for_model(tokenizer, model)
     if args.prefill_context is None:
         args.prefill_context = prefill_context_for(scorer)
-    if readout is not None and (args.attribution or args.memory or any("+ape" in m for m in args.methods or ())):
-        raise SystemExit(f"{model.name} ranks with the isolated scorer: --attribution, --memory and +ape measure "
-                         "the answer position's prefill and are not built for it")
+    if readout is not None and args.sweep and not args.methods:
+        args.methods = [m for m in SWEEP_METHODS if "+ape" not in m]
+        print(f"{model.name} ranks with the {scorer} scorer: the sweep leaves out +ape (a calibration of the answer "
+              "position's attention)")
+    if readout is not None and (args.attribution or args.memory or _calibrated(args)):
+        raise SystemExit(f"{model.name} ranks with the {scorer} scorer: --attribution, --memory and +ape (in --sweep "
+                         "too) measure the answer position's prefill and are not built for it; add --model finetuned "
+                         "(or base), or choose --methods without +ape")
     engine = BlendEngine.load(model, MemoryBlockSource())
     builder = PromptBuilder(tokenizer, dataset, template=model_template(model))
     neutral = tuple(tokenizer.encode(neutral_text(builder.template, args.neutral_text), add_special_tokens=False))
@@ -273,12 +279,16 @@ def in_list_contexts(builder: PromptBuilder, tokenizer: Any, appearances: int, s
                               label_after=builder.template.label_after)
 
 
+def _calibrated(args: argparse.Namespace) -> bool:
+    """Whether a method to run asks for the attention calibration (``+ape``)."""
+    return any("+ape" in m for m in args.methods or (SWEEP_METHODS if args.sweep else DEFAULT_METHODS))
+
+
 def _calibration(args: argparse.Namespace, engine: BlendEngine, model: Path, builder: PromptBuilder, dataset: Any,
                  history: int, candidates: int, base: BlendSettings, users: list[str]
                  ) -> tuple[float, float] | None:
     """The model's attention calibration when a method asks for it (``+ape``), else ``None``."""
-    methods = args.methods or (SWEEP_METHODS if args.sweep else DEFAULT_METHODS)
-    if not any("+ape" in m for m in methods):
+    if not _calibrated(args):
         return None
     from kvshard_bench.calibrate import load_or_calibrate, overlap
 
@@ -342,7 +352,7 @@ def report_memory(args: argparse.Namespace, methods: Sequence[tuple[str, float, 
     chosen = next((s for name, ratio, s in methods if name == "deviation" and abs(ratio - 0.15) < 1e-9),
                   methods[-1][2])
     config = {"dataset": args.dataset, "history": args.history[0], "candidates": args.candidates[0], "seed": args.seed,
-              "model": str(resolve_model(args.model)), "threads": args.threads,
+              "model": str(resolve_model(args.model, MEASURED_MODEL)), "threads": args.threads,
               "settings": asdict(chosen)}
     measured = {m["method"]: m for m in measure(config)}
     for row in rows:

@@ -6,10 +6,19 @@ All modes serve the same MovieLens prompts, measured in one run:
   cache, the second (same history, new candidates) is measured, so system + history are a prefix
   hit and vLLM prefills the candidates and question. The baseline a production stack has today.
 * ``vllm_full`` — the same vLLM with the connector but no exchange entry: a full prefill.
-* ``embedded`` — kvshard's blend engine decodes itself (blocks warm).
+* ``embedded`` — kvshard's blend engine answers itself (blocks warm).
 * ``vllm_connector`` — kvshard blends (blocks warm), writes the prompt KV to the exchange, vLLM
   loads it through the connector and computes only the last prompt token; TTFT = blend + exchange
   write + vLLM's first streamed token.
+
+Each model is asked the way the sidecar asks it (:class:`Asking`): an answer-position model
+(``finetuned``, ``base``) as one prompt whose first token answers; a scorer (``late``, the default, and
+``scorer``) as one vLLM request per candidate, ``prefix + item + " ["``, all sent at once, TTFT being
+the last candidate's first token. Every row also reports ``top1_agreement``: how often the mode's answer
+(the token, or the best-scored candidate) is the embedded engine's full prefill's. For the late scorer
+that column is what only kvshard can serve: its item tokens were trained to read only themselves, which
+a plain causal prefill (``vllm_full``, ``vllm_apc``) does not do, so plain vLLM times the same work
+but does not answer as the model does; the connector, handed KV computed with the model's own mask, does.
 
 Requests are measured one at a time with ``--gap-seconds`` of idle time before each, in every mode:
 on this 2-core machine vLLM's CPU worker keeps a core busy for about a second after it answers, and
@@ -31,22 +40,30 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
+from kvshard.blend_policy import from_spec
 from kvshard.datasets import Dataset, load_dataset
-from kvshard.models import DEFAULT_MODEL, MODEL_HELP, model_template, resolve_model, scorer_refusal
+from kvshard.models import MEASURED_MODEL, MODEL_HELP, model_blend, model_scorer, model_template, resolve_model
 from kvshard.processes import ManagedProcess
-from kvshard.prompts import PromptBuilder, RecommendationRequest, sample_requests
+from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest, sample_requests
+from kvshard.ranking import best_index
 from kvshard.segments import Prompt
 from kvshard.testing_servers import free_port
 from kvshard_sidecar.engine.blend import BlendEngine
+from kvshard_sidecar.engine.methods import METHODS, method_settings
+from kvshard_sidecar.engine.results import BlendResult
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.engine.source import MemoryBlockSource
 from kvshard_sidecar.exchange import KVExchange
+from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout, prefill_context_for, scoring_prompt
 from kvshard_sidecar.model import load_model
 from kvshard_sidecar.vllm_client import VllmClient, server_command
+from kvshard_sidecar.vllm_scores import score_through_vllm
 
 Row = dict[str, object]
 SERVED_NAME = "kvshard-bench"
@@ -54,13 +71,17 @@ SERVED_NAME = "kvshard-bench"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="movielens-100k", help="built-in name or folder (default: %(default)s)")
-    parser.add_argument("--model", default=None, metavar="base|finetuned|PATH",
-                        help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=None, metavar="late|finetuned|scorer|base|PATH",
+                        help=f"{MODEL_HELP} (default: {MEASURED_MODEL})")
     parser.add_argument("--users", type=int, default=6, help="users, two requests each (default: %(default)s)")
     parser.add_argument("--history", type=int, default=30, help="history items (default: %(default)s)")
     parser.add_argument("--candidates", type=int, default=20, help="candidates (default: %(default)s)")
-    parser.add_argument("--selector", default="deviation", choices=["none", "boundary", "deviation", "hybrid"])
-    parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio (default: %(default)s)")
+    parser.add_argument("--method", "--selector", dest="method", default=None, choices=list(METHODS),
+                        help="blend method of the embedded and connector modes (default: the one `kvshard up` gives "
+                             "the model's CacheShard: 'none' for a late scorer, whose cache is exact, else kvshard's "
+                             "default)")
+    parser.add_argument("--ratio", type=float, default=None,
+                        help="recompute ratio (default: the model's, as for --method)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gap-seconds", type=float, default=2.0,
                         help="idle time before each measured request (default: %(default)s)")
@@ -96,73 +117,128 @@ def _median_ms(values: Sequence[float]) -> float:
 
 def run(args: argparse.Namespace) -> list[Row]:
     dataset = load_dataset(args.dataset)
-    model = resolve_model(args.model)
-    if refusal := scorer_refusal(model, "bench vllm"):
-        raise SystemExit(refusal)
+    model = resolve_model(args.model, MEASURED_MODEL)
     loaded = load_model(model)
+    asking = Asking.for_model(loaded.tokenizer, model)
     builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(model))
     firsts = sample_requests(dataset, args.users, args.history, args.candidates, seed=args.seed)
-    pairs = [(builder.build(r).prompt, builder.build(other_candidates(r, dataset, args.seed + i)).prompt)
-             for i, r in enumerate(firsts)]
-    settings = BlendSettings(selector=args.selector, ratio=args.ratio)
-    engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource(), settings)
+    pairs = [(asking.prompt(builder.build(r)),
+              asking.prompt(builder.build(other_candidates(r, dataset, args.seed + i)))) for i, r in enumerate(firsts)]
+    settings = BlendSettings(prefill_context=prefill_context_for(model_scorer(model)))
+    ratio = asking.ratio if args.ratio is None else args.ratio
+    engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource(),
+                         method_settings(args.method or asking.method, ratio, settings))
     for first, second in tqdm(pairs, desc="warm blocks", unit="user"):
-        engine.blend(first)
-        engine.blend(second)
+        engine.blend(first, readout=asking.readout)
+        engine.blend(second, readout=asking.readout)
     measured = [second for _, second in pairs]
-    print(f"{len(measured)} measured prompts, {statistics.mean(len(p) for p in measured):.0f} tokens on average")
+    reference = [asking.answer(engine.full(p, readout=asking.readout)) for p in measured]
+    print(f"{len(measured)} measured prompts, {statistics.mean(len(p) for p in measured):.0f} tokens on average, "
+          f"{asking.what}; blended with {engine.settings.selector} at r = {engine.settings.ratio}")
 
-    def settled(measure: Callable[[Prompt], float]) -> Callable[[Prompt], float]:
-        def run_one(prompt: Prompt) -> float:
+    def settled(measure: Callable[[Prompt], Answered], before: Callable[[int], object] = lambda _: None
+                ) -> list[Answered]:
+        """Each measured prompt after ``before(its index)`` and ``--gap-seconds`` of idle time."""
+        answered = []
+        for index, prompt in enumerate(measured):
+            before(index)
             time.sleep(args.gap_seconds)
-            return measure(prompt)
-        return run_one
+            answered.append(measure(prompt))
+        return answered
 
-    ttft: dict[str, list[float]] = {"embedded": [settled(lambda p: engine.blend(p).ttft_s)(p) for p in measured]}
-    model_path = loaded.path
+    def embedded(prompt: Prompt) -> Answered:
+        result = engine.blend(prompt, readout=asking.readout)
+        return result.ttft_s, asking.answer(result)
+
+    runs: dict[str, list[Answered]] = {"embedded": settled(embedded)}
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None  # the exchange lives in shared memory in a pod
     with tempfile.TemporaryDirectory(prefix="kvshard-bench-vllm-") as scratch, \
             tempfile.TemporaryDirectory(prefix="kvshard-bench-exchange-", dir=shm) as exchange_scratch:
         work = Path(scratch)
-        exchange_dir = Path(exchange_scratch)
-        exchange = KVExchange(exchange_dir)
-        with _vllm(model_path, work, "vllm-connector", exchange_dir, prefix_caching=False) as server:
+        exchange = KVExchange(Path(exchange_scratch))
+        with _vllm(loaded.path, work, "vllm-connector", Path(exchange_scratch), prefix_caching=False) as server:
             client = VllmClient(_url(server), SERVED_NAME)
-            client.complete(measured[0].token_ids, 1)  # first request pays vLLM's lazy warm-up
-            full = settled(lambda p: client.complete(p.token_ids, 1).first_token_s)
-            ttft["vllm_full"] = [full(p) for p in measured]
-            connector = settled(lambda p: _through_connector(engine, exchange, client, p))
-            ttft["vllm_connector"] = [connector(p) for p in measured]
-        with _vllm(model_path, work, "vllm-apc", None, prefix_caching=True) as server:
+            asking.vllm(client, measured[0])  # the first request pays vLLM's lazy warm-up
+            runs["vllm_full"] = settled(lambda p: asking.vllm(client, p))
+            runs["vllm_connector"] = settled(lambda p: asking.connector(engine, exchange, client, p))
+        with _vllm(loaded.path, work, "vllm-apc", None, prefix_caching=True) as server:
             client = VllmClient(_url(server), SERVED_NAME)
-            client.complete(pairs[0][0].token_ids, 1)
-            apc = settled(lambda p: client.complete(p.token_ids, 1).first_token_s)
-            ttft["vllm_apc"] = []
-            for first, second in pairs:
-                client.complete(first.token_ids, 1)  # warms system + this user's history
-                ttft["vllm_apc"].append(apc(second))
-    baseline = statistics.median(ttft["vllm_apc"])
+            asking.vllm(client, pairs[0][0])
+            # each user's first prompt warms system + history; its second is measured
+            runs["vllm_apc"] = settled(lambda p: asking.vllm(client, p), lambda i: asking.vllm(client, pairs[i][0]))
+    baseline = statistics.median(t for t, _ in runs["vllm_apc"])
     rows: list[Row] = [
-        {"mode": mode, "ttft_ms": _median_ms(values),
-         "speedup_vs_vllm_apc": round(baseline / statistics.median(values), 2)}
-        for mode, values in ttft.items()
+        {"mode": mode, "ttft_ms": _median_ms([t for t, _ in answered]),
+         "speedup_vs_vllm_apc": round(baseline / statistics.median(t for t, _ in answered), 2),
+         "top1_agreement": round(statistics.mean(float(a == r)
+                                                 for (_, a), r in zip(answered, reference, strict=True)), 3),
+         "model": loaded.path.name, "answer": asking.what}
+        for mode, answered in runs.items()
     ]
-    print(f"{'mode':<16} {'ttft_ms':>10} {'speedup_vs_vllm_apc':>20}")
+    print(f"{'mode':<16} {'ttft_ms':>10} {'speedup_vs_vllm_apc':>20} {'top1_agreement':>15}")
     for row in rows:
-        print(f"{row['mode']!s:<16} {row['ttft_ms']:>10} {row['speedup_vs_vllm_apc']:>20}")
+        print(f"{row['mode']!s:<16} {row['ttft_ms']:>10} {row['speedup_vs_vllm_apc']:>20} {row['top1_agreement']:>15}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
 
 
-def _through_connector(engine: BlendEngine, exchange: KVExchange, client: VllmClient, prompt: Prompt) -> float:
-    """Blend + exchange write + vLLM's first streamed token, as the sidecar serves it."""
-    started = time.perf_counter()
-    result = engine.blend(prompt)
-    n = result.num_tokens
-    exchange.write(prompt.token_ids, result.kv.keys[:, :, :n], result.kv.values[:, :, :n])
-    completion = client.complete(prompt.token_ids, 1)
-    exchange.remove(prompt.token_ids)
-    return (time.perf_counter() - started) - completion.total_s + completion.first_token_s
+Answered = tuple[float, int]
+"""One measured request: its time to first token (seconds) and what it answered (a token id, or the chosen
+candidate's index for a scorer)."""
 
+
+@dataclass(frozen=True)
+class Asking:
+    """How this model is asked, by every mode alike: an answer-position model is one prompt whose first
+    token is the answer; a scorer (``scorer``, ``late``) is one request per candidate (``prefix + item +
+    " ["``, :mod:`kvshard_sidecar.vllm_scores`) whose best score is the answer — the sidecar's two paths."""
+
+    readout: Readout | None
+    method: str
+    ratio: float
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, model: Path) -> Asking:
+        """The model's way of being asked, and the blend its CacheShard would get from ``kvshard up``
+        (:func:`kvshard.models.model_blend`: ``none`` at 0 for a late scorer, whose cache is exact)."""
+        policy = from_spec({"blend": model_blend(model)})
+        return cls(Readout.for_model(tokenizer, model), policy.method, policy.ratio)
+
+    @property
+    def what(self) -> str:
+        return "first token" if self.readout is None else "chosen candidate (one vLLM request per candidate)"
+
+    def prompt(self, built: RecommendationPrompt) -> Prompt:
+        return built.prompt if self.readout is None else scoring_prompt(built)
+
+    def answer(self, result: BlendResult) -> int:
+        if self.readout is None:
+            return int(result.logits.argmax())
+        if result.scores is None:
+            raise ValueError("a scorer's result carries no scores")
+        return best_index(result.scores.tolist())
+
+    def vllm(self, client: VllmClient, prompt: Prompt) -> Answered:
+        """vLLM prefills the request(s) itself (from its prefix cache, if on)."""
+        if self.readout is None:
+            completion = client.complete(prompt.token_ids, 1)
+            return completion.first_token_s, completion.token_ids[0]
+        scored = score_through_vllm(client, IsolatedInputs.of_prompt(prompt), self.readout.token)
+        return scored.first_token_s, best_index(scored.scores)
+
+    def connector(self, engine: BlendEngine, exchange: KVExchange, client: VllmClient, prompt: Prompt) -> Answered:
+        """Blend + exchange write + vLLM's first streamed token(s), as the sidecar serves it."""
+        started = time.perf_counter()
+        result = engine.blend(prompt, readout=self.readout)
+        if self.readout is not None:
+            blended_s = time.perf_counter() - started
+            scored = score_through_vllm(client, IsolatedInputs.of_prompt(prompt), self.readout.token, exchange,
+                                        result.kv.keys, result.kv.values)
+            return blended_s + scored.exchange_s + scored.first_token_s, best_index(scored.scores)
+        n = result.num_tokens
+        exchange.write(prompt.token_ids, result.kv.keys[:, :, :n], result.kv.values[:, :, :n])
+        completion = client.complete(prompt.token_ids, 1)
+        exchange.remove(prompt.token_ids)
+        return (time.perf_counter() - started) - completion.total_s + completion.first_token_s, completion.token_ids[0]
 

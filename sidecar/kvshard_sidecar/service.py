@@ -45,6 +45,7 @@ from kvshard_sidecar.settings import SidecarSettings
 from kvshard_sidecar.shadow import ShadowChecker
 from kvshard_sidecar.validation import Limits, RecommendCall
 from kvshard_sidecar.vllm_client import Completion, VllmClient
+from kvshard_sidecar.vllm_scores import score_through_vllm
 
 log = logging.getLogger(__name__)
 
@@ -333,30 +334,14 @@ class SidecarService:
         ``prefix + item + " ["``, with its KV — the prefix's rows and that candidate's, at the positions
         they were blended at — in the exchange: vLLM computes only the label opening and returns
         ``log P(readout)``. The K requests go at once (vLLM batches them)."""
-        from concurrent.futures import ThreadPoolExecutor
-
         assert self._exchange is not None and self._vllm is not None and self.readout is not None
-        vllm, readout, exchange = self._vllm, self.readout.token, self._exchange
         prompt = scoring_prompt(built)
         result = self._engine.blend(prompt, call.blend, readout=self.readout)
-        inputs = IsolatedInputs.of_prompt(prompt)
-        started = time.perf_counter()
-        asks: list[list[int]] = []
-        for (start, _), opening in zip(inputs.blocks, inputs.readouts, strict=True):
-            rows = [*range(inputs.prefix), *range(start, opening + 1)]
-            asks.append([inputs.token_ids[row] for row in rows])
-            exchange.write(asks[-1], result.kv.keys[:, :, rows], result.kv.values[:, :, rows])
-        exchange_s = time.perf_counter() - started
-        try:
-            with ThreadPoolExecutor(len(asks), thread_name_prefix="vllm-scores") as pool:
-                completions = list(pool.map(lambda tokens: vllm.label_logprobs(tokens, [readout]), asks))
-        finally:
-            for tokens in asks:  # the connector removes each after loading; this covers failures
-                exchange.remove(tokens)
-        first_token_s = max(c.first_token_s for c in completions)
-        extra = {"exchange_ms": round(exchange_s * 1000, 3), "vllm_first_token_ms": round(first_token_s * 1000, 3)}
-        return (result, [c.top_logprobs[readout] for c in completions], result.ttft_s + exchange_s + first_token_s,
-                extra)
+        scored = score_through_vllm(self._vllm, IsolatedInputs.of_prompt(prompt), self.readout.token,
+                                    self._exchange, result.kv.keys, result.kv.values)
+        extra = {"exchange_ms": round(scored.exchange_s * 1000, 3),
+                 "vllm_first_token_ms": round(scored.first_token_s * 1000, 3)}
+        return result, scored.scores, result.ttft_s + scored.exchange_s + scored.first_token_s, extra
 
     def _generate(self, built: RecommendationPrompt, call: RecommendCall
                   ) -> tuple[Any, list[int], str, dict[int, float], float, dict[str, float]]:

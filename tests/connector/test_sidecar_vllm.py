@@ -11,8 +11,8 @@ token must equal the embedded engine's and the top logprobs must agree to float 
 candidates in the same order with the same label log-probabilities. The connector must have
 claimed ``len(prompt) - 1`` tokens per request and vLLM computed exactly one prompt token each.
 
-A second vLLM serves the scorer (``--model scorer``): the vLLM sidecar blends the scoring prompt and
-sends one request per candidate, ``prefix + item + " ["`` with its blended KV; vLLM computes only the
+A second vLLM serves a scorer (``--model scorer``, then ``late``): the vLLM sidecar blends the scoring
+prompt and sends one request per candidate, ``prefix + item + " ["`` with its blended KV; vLLM computes only the
 label opening. Its scores must be the embedded engine's.
 """
 
@@ -80,9 +80,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     yield from _cluster(tmp_path_factory, "finetuned")
 
 
-@pytest.fixture(scope="module")
-def scorer_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    yield from _cluster(tmp_path_factory, "scorer")
+@pytest.fixture(scope="module", params=["scorer", "late"])
+def scorer_cluster(request: pytest.FixtureRequest,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Both scorers: ``late`` (what the demo and the benchmarks measure) differs only in its items' KV."""
+    yield from _cluster(tmp_path_factory, str(request.param))
 
 
 def _post(url: str, body: Any) -> Any:

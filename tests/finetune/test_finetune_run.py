@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -154,16 +155,28 @@ def test_a_warm_start_records_every_stage_it_grew_from_and_their_seconds(tmp_pat
     from kvshard_sidecar.finetune_lora import lineage_record, lineage_seconds
 
     shipped = Path(__file__).resolve().parents[2] / "sidecar" / "kvshard_sidecar" / "adapters"
-    late = Adapter.read(shipped / "movielens-late")
-    chain = lineage_record(shipped / "movielens-late", late.sha256, late.provenance)
+    first = tmp_path / "first"  # a stage trained from zero, its seconds recorded
+    shutil.copytree(shipped / "movielens-scorer", first)
+    grown = tmp_path / "grown"  # warm-started from it, by a version that kept only the parent's hash
+    shutil.copytree(shipped / "movielens-rec", grown)
+    started_from = Adapter.read(first)
+    provenance = {**json.loads((grown / "provenance.json").read_text()),
+                  "init_adapter": {"folder": "first", "sha256": started_from.sha256,
+                                   "command": started_from.provenance["command"]}}
+    (grown / "provenance.json").write_text(json.dumps(provenance))
+    late = Adapter.read(grown)
+    chain = lineage_record(grown, late.sha256, late.provenance)
     stages = []
     stage: object = chain
     while isinstance(stage, dict):
         stages.append(stage)
         stage = stage.get("init_adapter")
-    assert stages[0]["sha256"] == late.sha256 and stages[-1]["folder"] == "movielens-scorer"
+    assert [s["folder"] for s in stages] == ["grown", "first"] and stages[0]["sha256"] == late.sha256
     assert all(s["command"].startswith("kvshard model finetune ") for s in stages)
     seconds = [float(s["training_seconds"]) for s in stages]
     assert all(t > 0 for t in seconds)  # a stage recorded before seconds were kept is completed from its folder
     assert lineage_seconds(60.0, chain) == pytest.approx(60.0 + sum(seconds))
+    (first / "adapter_model.safetensors").write_bytes(b"another adapter")  # the folder was overwritten since
+    parent = lineage_record(grown, late.sha256, late.provenance)["init_adapter"]
+    assert isinstance(parent, dict) and "training_seconds" not in parent  # never another adapter's seconds
     assert lineage_seconds(60.0, {"folder": "gone", "sha256": "0", "command": ""}) == 60.0  # unknown: never more

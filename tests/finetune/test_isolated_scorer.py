@@ -18,6 +18,7 @@ from kvshard.prompts import PromptBuilder, RecommendationRequest, candidate_orde
 from kvshard.settings import SettingsError
 from kvshard_sidecar.finetune_settings import FinetuneSettings
 from kvshard_sidecar.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
+from kvshard_sidecar.vllm_scores import candidate_rows
 
 AFTER = PromptTemplate(label_position="after")
 
@@ -54,8 +55,8 @@ def test_a_score_is_log_p_yes_of_a_causal_prompt_of_the_prefix_and_that_item_alo
     readout = readout_id(smollm2.tokenizer)
     with torch.inference_mode():
         scores = isolated_scores(smollm2.model, inputs, readout)
-        for (start, _), opening, score in zip(inputs.blocks, inputs.readouts, scores.tolist(), strict=True):
-            alone = list(inputs.token_ids[:inputs.prefix]) + list(inputs.token_ids[start:opening + 1])
+        for rows, score in zip(candidate_rows(inputs), scores.tolist(), strict=True):  # what the sidecar asks vLLM
+            alone = [inputs.token_ids[row] for row in rows]
             logits = smollm2.model(input_ids=torch.tensor([alone])).logits[0, -1]
             assert abs(float(torch.log_softmax(logits.float(), -1)[readout]) - score) < 1e-4
 
@@ -137,3 +138,15 @@ def test_the_fidelity_bench_measures_a_scorer_against_its_full_prefill(tiny_scor
     assert rows["full"]["top1_agreement"] == 1.0 and rows["prefix"]["label_kl"] < 1e-6
     if late:  # items read only themselves: labels recomputed over exact blocks is full prefill
         assert rows["none"]["top1_agreement"] == 1.0 and rows["none"]["label_kl"] < 1e-6
+
+
+@pytest.mark.model
+def test_the_fidelity_bench_says_which_modes_a_scorer_cannot_take(tiny_scorer: Path) -> None:
+    from kvshard.cli import build_parser
+    from kvshard_bench.fidelity import run
+
+    for mode in (["--attribution"], ["--methods", "tail+ape"]):
+        argv = ["bench", "fidelity", "--model", str(tiny_scorer), "--users", "1", "--history", "4", "--candidates",
+                "4", *mode]
+        with pytest.raises(SystemExit, match="--model finetuned"):
+            run(build_parser(argv).parse_args(argv))
