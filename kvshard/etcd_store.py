@@ -1,16 +1,8 @@
 """The etcd side of placement: key layout, atomic publish, reads, watches, heat and warm sets.
 
 This is the only module that imports ``etcd3aio`` (import-linter checks it), so the operator, the
-router and the sidecars share one key layout (DESIGN §6) and one set of semantics::
-
-    /kvshard/v1/<namespace>/<name>/gen/<G>/assignment      cluster → pods
-    /kvshard/v1/<namespace>/<name>/gen/<G>/items/<chunk>   item → cluster (chunked, each ≤ 1 MiB)
-    /kvshard/v1/<namespace>/<name>/current                 G (changed only by compare-and-swap)
-    /kvshard/v1/<namespace>/<name>/heat/<timestamp>        hit-rate snapshot (lease/TTL'd)
-    /kvshard/v1/<namespace>/<name>/warm/<pod>              clusters the pod has warmed
-    /kvshard/v1/<namespace>/<name>/catalog/<version>/…      catalog versions (content-addressed, chunked)
-    /kvshard/v1/<namespace>/<name>/blend                   blend settings in force (compare-and-swap)
-    /kvshard/v1/<namespace>/<name>/corequest/<router>      a router's top co-requested pairs (leased)
+router and the sidecars share one key layout (:mod:`kvshard.etcd_keys`, DESIGN §6) and one set of
+semantics.
 
 Publishing writes the whole generation first and only then compare-and-swaps ``current``, so a
 reader that follows ``current`` never sees a half-written generation, and two writers cannot both
@@ -41,9 +33,24 @@ from kvshard import blend_policy as bp
 from kvshard import catalog_schema as cs
 from kvshard import corequest_schema as crs
 from kvshard import placement_schema as ps
+from kvshard.etcd_keys import (
+    assignment_key,
+    blend_key,
+    catalog_chunk_key,
+    catalog_manifest_key,
+    catalog_prefix,
+    corequest_key,
+    corequest_prefix,
+    current_key,
+    generation_prefix,
+    heat_prefix,
+    items_key,
+    shard_prefix,
+    warm_key,
+    warm_prefix,
+)
 from kvshard.etcd_tls import EtcdTLS, diagnose, endpoint_host, is_ip
 
-PREFIX = "/kvshard/v1"
 KEEP_GENERATIONS = 2
 _TXN_LIMIT = ps.MAX_VALUE_BYTES
 _ERRORS = (etcd3aio.EtcdError, grpc.aio.AioRpcError, TimeoutError, OSError)
@@ -83,68 +90,6 @@ class EtcdTLSError(EtcdStoreError):
 
 class GenerationConflictError(EtcdStoreError):
     """``current`` was not the generation the writer expected: someone else published first."""
-
-
-def shard_prefix(namespace: str, name: str) -> str:
-    """``/kvshard/v1/<namespace>/<name>/`` — every key of one CacheShard starts with this."""
-    return f"{PREFIX}/{namespace}/{name}/"
-
-
-def current_key(namespace: str, name: str) -> str:
-    return shard_prefix(namespace, name) + "current"
-
-
-def generation_prefix(namespace: str, name: str, generation: int) -> str:
-    return shard_prefix(namespace, name) + f"gen/{generation}/"
-
-
-def assignment_key(namespace: str, name: str, generation: int) -> str:
-    return generation_prefix(namespace, name, generation) + "assignment"
-
-
-def items_key(namespace: str, name: str, generation: int, chunk: int) -> str:
-    return generation_prefix(namespace, name, generation) + f"items/{chunk:06d}"
-
-
-def heat_prefix(namespace: str, name: str) -> str:
-    return shard_prefix(namespace, name) + "heat/"
-
-
-def warm_prefix(namespace: str, name: str) -> str:
-    return shard_prefix(namespace, name) + "warm/"
-
-
-def warm_key(namespace: str, name: str, pod: str) -> str:
-    return warm_prefix(namespace, name) + pod
-
-
-def catalog_prefix(namespace: str, name: str) -> str:
-    """``catalog/``: the content-addressed catalog versions (:mod:`kvshard.catalog_schema`)."""
-    return shard_prefix(namespace, name) + "catalog/"
-
-
-def catalog_manifest_key(namespace: str, name: str, version: str) -> str:
-    return catalog_prefix(namespace, name) + f"{version}/manifest"
-
-
-def catalog_chunk_key(namespace: str, name: str, version: str, chunk: int) -> str:
-    return catalog_prefix(namespace, name) + f"{version}/chunks/{chunk:06d}"
-
-
-def blend_key(namespace: str, name: str) -> str:
-    """``blend``: the blend settings in force (:class:`kvshard.blend_policy.BlendPolicy`), changed only
-    by compare-and-swap on the key's version."""
-    return shard_prefix(namespace, name) + "blend"
-
-
-def corequest_prefix(namespace: str, name: str) -> str:
-    """``corequest/``: each router's last interval of co-requested cluster pairs
-    (:mod:`kvshard.corequest_schema`), under a lease so a router that died stops counting."""
-    return shard_prefix(namespace, name) + "corequest/"
-
-
-def corequest_key(namespace: str, name: str, router: str) -> str:
-    return corequest_prefix(namespace, name) + router
 
 
 class EtcdStore:

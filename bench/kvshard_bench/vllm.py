@@ -233,8 +233,8 @@ class Asking:
         result = engine.blend(prompt, readout=self.readout)
         if self.readout is not None:
             blended_s = time.perf_counter() - started
-            scored = score_through_vllm(client, IsolatedInputs.of_prompt(prompt), self.readout.token, exchange,
-                                        result.kv.keys, result.kv.values)
+            scored = score_through_vllm(client, IsolatedInputs.of_prompt(prompt), self.readout.token,
+                                        (exchange, result.kv))
             return blended_s + scored.exchange_s + scored.first_token_s, best_index(scored.scores)
         n = result.num_tokens
         exchange.write(prompt.token_ids, result.kv.keys[:, :, :n], result.kv.values[:, :, :n])

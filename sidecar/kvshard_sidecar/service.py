@@ -338,7 +338,7 @@ class SidecarService:
         prompt = scoring_prompt(built)
         result = self._engine.blend(prompt, call.blend, readout=self.readout)
         scored = score_through_vllm(self._vllm, IsolatedInputs.of_prompt(prompt), self.readout.token,
-                                    self._exchange, result.kv.keys, result.kv.values)
+                                    (self._exchange, result.kv))
         extra = {"exchange_ms": round(scored.exchange_s * 1000, 3),
                  "vllm_first_token_ms": round(scored.first_token_s * 1000, 3)}
         return result, scored.scores, result.ttft_s + scored.exchange_s + scored.first_token_s, extra

@@ -16,8 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
+from kvshard_sidecar.engine.kvbuffer import KVBuffer
 from kvshard_sidecar.exchange import KVExchange
 from kvshard_sidecar.isolated_scorer import IsolatedInputs
 from kvshard_sidecar.vllm_client import VllmClient
@@ -41,29 +40,26 @@ class VllmScores:
 
 
 def score_through_vllm(client: VllmClient, inputs: IsolatedInputs, readout: int,
-                       exchange: KVExchange | None = None, keys: torch.Tensor | None = None,
-                       values: torch.Tensor | None = None) -> VllmScores:
+                       blended: tuple[KVExchange, KVBuffer] | None = None) -> VllmScores:
     """Ask ``client`` for every candidate's score at once (vLLM batches them).
 
-    With ``exchange`` and the scoring prompt's ``keys``/``values`` (``[layers, kv_heads, tokens,
-    head_dim]``), each request's rows are written there first, so the connector loads them and vLLM
-    computes only the label opening; without, vLLM prefills each request itself (its prefix cache, if on,
-    sharing the prefix)."""
+    With ``blended`` — the exchange and the scoring prompt's blended KV — each request's rows are written
+    there first, so the connector loads them and vLLM computes only the label opening; without, vLLM
+    prefills each request itself (its prefix cache, if on, sharing the prefix)."""
     asks = [(rows, [inputs.token_ids[row] for row in rows]) for rows in candidate_rows(inputs)]
     started = time.perf_counter()
-    if exchange is not None:
-        if keys is None or values is None:
-            raise ValueError("scoring through the exchange needs the prompt's keys and values")
+    if blended is not None:
+        exchange, kv = blended
         for rows, tokens in asks:
-            exchange.write(tokens, keys[:, :, rows], values[:, :, rows])
+            exchange.write(tokens, kv.keys[:, :, rows], kv.values[:, :, rows])
     exchange_s = time.perf_counter() - started
     try:
         with ThreadPoolExecutor(len(asks), thread_name_prefix="vllm-scores") as pool:
             completions = list(pool.map(lambda ask: client.label_logprobs(ask[1], [readout]), asks))
     finally:
-        if exchange is not None:  # the connector removes each after loading; this covers failures
+        if blended is not None:  # the connector removes each after loading; this covers failures
             for _, tokens in asks:
-                exchange.remove(tokens)
+                blended[0].remove(tokens)
     return VllmScores([c.top_logprobs[readout] for c in completions], exchange_s,
                       max(c.first_token_s for c in completions))
 

@@ -17,7 +17,7 @@ from kopf.testing import KopfRunner
 from polling import wait_until
 from traffic import Traffic, running_prometheus, wait_scraped
 
-from kvshard import etcd_store
+from kvshard import etcd_keys
 from kvshard import placement_schema as ps
 from kvshard.testing_servers import EtcdServer, PrometheusServer, free_port
 from kvshard_operator import placement
@@ -129,7 +129,7 @@ async def test_hot_cluster_is_replicated_within_the_move_budget_until_balanced(
     assert outcome.status["placementGeneration"] == 2 and outcome.status["lastRebalanceTime"].endswith("Z")
 
     # the heat snapshot it decided on is stored under heat/, leased for ~10 intervals
-    assert outcome.heat_key is not None and outcome.heat_key.startswith(etcd_store.heat_prefix(NS, "skewed"))
+    assert outcome.heat_key is not None and outcome.heat_key.startswith(etcd_keys.heat_prefix(NS, "skewed"))
     async with etcd_server.store() as store:
         [(_, heat)] = await store.read_heat(NS, "skewed")
     assert heat["generation"] == 1

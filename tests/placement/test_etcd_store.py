@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvshard import etcd_store
+from kvshard import etcd_keys, etcd_store
 from kvshard import placement_schema as ps
 from kvshard.testing_servers import EtcdServer
 
@@ -43,7 +43,7 @@ async def test_first_publish_becomes_generation_one(store: etcd_store.EtcdStore,
     await store.publish(*shard, placement(1), expected=0)
     assert await store.current_generation(*shard) == 1
     assert await store.read_current(*shard) == placement(1)
-    assert etcd_store.assignment_key(*shard, 1) in await store.keys(*shard)
+    assert etcd_keys.assignment_key(*shard, 1) in await store.keys(*shard)
 
 
 async def test_publish_with_a_stale_expectation_is_refused(

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvshard import etcd_store
+from kvshard import etcd_keys, etcd_store
 from kvshard import placement_schema as ps
 from kvshard.corequest_schema import CoRequestFormatError, CoRequestReport
 from kvshard.testing_servers import EtcdServer
@@ -88,7 +88,7 @@ async def test_reports_expire_with_their_lease_and_garbage_is_skipped(store: etc
     for request in trace[:100]:
         sketch.add(request)
     await store.put_corequest(*shard, sketch.take("router-a", 100, 0.0), ttl_seconds=1)
-    await store._kv.put(etcd_store.corequest_key(*shard, "router-bad"), b"{not json")
+    await store._kv.put(etcd_keys.corequest_key(*shard, "router-bad"), b"{not json")
     reports = await store.read_corequest(*shard)
     assert set(reports) == {"router-a"} and reports["router-a"].requests == 100
     for _ in range(40):  # etcd expires leases within about a second of their TTL
