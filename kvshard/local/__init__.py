@@ -5,7 +5,8 @@ This package starts the components as subprocesses through the ``kvshard`` CLI a
 them, so it stays in the torch-free core.
 """
 
-from kvshard.local.cluster import ClusterAlreadyRunningError, ClusterStartError, LocalCluster
+from kvshard.local.cluster import ClusterStartError, LocalCluster
+from kvshard.local.run_folder import ClusterAlreadyRunningError
 from kvshard.local.settings import LocalClusterSettings
 
 __all__ = ["ClusterAlreadyRunningError", "ClusterStartError", "LocalCluster", "LocalClusterSettings"]

@@ -23,14 +23,8 @@ from types import FrameType
 from typing import Any
 
 from kvshard.local import settings as local_settings
-from kvshard.local.cluster import (
-    STATE_FILE,
-    ClusterAlreadyRunningError,
-    ClusterStartError,
-    LocalCluster,
-    ProcessInfo,
-    process_start_time,
-)
+from kvshard.local.cluster import ClusterStartError, LocalCluster
+from kvshard.local.run_folder import STATE_FILE, ClusterAlreadyRunningError, ProcessInfo, process_start_time
 from kvshard.processes import ProcessStartError
 
 SCALE_REQUEST = "scale-request.json"

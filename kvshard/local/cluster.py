@@ -26,14 +26,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import contextlib
 import dataclasses
-import fcntl
-import json
 import logging
 import os
 import secrets
-import shutil
 import sys
 import time
 import urllib.error
@@ -41,7 +37,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 import yaml
 
@@ -52,6 +48,12 @@ from kvshard.etcd_tls import EtcdTLS
 from kvshard.local import job_controller, manifests
 from kvshard.local.kubeapi import CACHESHARDS, KubeApi, condition
 from kvshard.local.kubelet import Kubelet, PodProcess
+from kvshard.local.run_folder import (
+    ProcessInfo,
+    RunFolderLock,
+    forget_previous_run,
+    process_start_time,
+)
 from kvshard.local.scaling import LocalAutoscaler, ScaleChange, local_rules, scale_pods
 from kvshard.local.settings import LocalClusterSettings
 from kvshard.models import model_blend, model_prompt, prompt_for_model, resolve_model
@@ -61,44 +63,13 @@ from kvshard.testing_servers import EtcdServer, PrometheusServer, free_ports
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
-STATE_FILE = "cluster.json"
-LOCK_FILE = "up.lock"
 ETCD_TLS_SECRET = "kvshard-etcd-client"
 """The Secret (``ca.crt``, ``tls.crt``, ``tls.key``) the local CacheShard's ``spec.etcd.tls`` names."""
 SECRETS = "/api/v1/namespaces/{ns}/secrets"
 
 
-class ClusterAlreadyRunningError(RuntimeError):
-    """Another local cluster holds the run folder."""
-
-
 class ClusterStartError(RuntimeError):
     """A part of the cluster did not come up; the message names it and carries its log's tail."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ProcessInfo:
-    """One process of the cluster as ``cluster.json`` and ``kvshard up``'s table show it."""
-
-    name: str
-    pid: int
-    url: str
-    log: str
-    group: bool
-    """True when the process leads its own process group (kill the group, not just the pid)."""
-    start_time: int
-    """Kernel start time (clock ticks since boot), so a recycled pid is never mistaken for it."""
-
-
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat``; ``None`` when no such process runs (a zombie, which has
-    exited and only waits for its parent to read its status, counts as not running)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _cli(*words: str) -> list[str]:
@@ -161,7 +132,7 @@ class LocalCluster:
         """Runs the operator's embedding Jobs as processes (``settings.embedding_jobs``)."""
         self.autoscaler: LocalAutoscaler | None = None
         """The autoscaler loop when ``settings.autoscale`` (started once the cluster is ready)."""
-        self._lock: IO[str] | None = None
+        self._run_lock = RunFolderLock(self.run_dir)
         self._started = False
 
     # ------------------------------------------------------------------------------- lifecycle
@@ -177,7 +148,7 @@ class LocalCluster:
 
     def _start(self) -> None:
         self._started = True
-        self._fresh_run_dir()
+        forget_previous_run(self.run_dir, self.logs_dir)
 
         log.info("starting etcd (TLS, client certificates)")
         self._etcd = EtcdServer(data_dir=self.run_dir / "etcd",
@@ -278,9 +249,7 @@ class LocalCluster:
         if self._started:
             log.info("local cluster in %s stopped", self.run_dir)
             self._started = False
-        if self._lock is not None:
-            self._lock.close()  # releases the flock
-            self._lock = None
+        self._run_lock.release()
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -463,32 +432,9 @@ class LocalCluster:
     # ------------------------------------------------------------------------------- helpers
 
     def acquire(self) -> None:
-        """Hold the run folder (an flock the kernel releases when this process dies), or raise
+        """Hold the run folder (:class:`~kvshard.local.run_folder.RunFolderLock`) or raise
         :class:`ClusterAlreadyRunningError` naming the ``kvshard up`` that holds it."""
-        if self._lock is not None:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        lock = (self.run_dir / LOCK_FILE).open("a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            owner = ""
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                owner = f" (kvshard up pid {json.loads((self.run_dir / STATE_FILE).read_text())['up_pid']})"
-            raise ClusterAlreadyRunningError(
-                f"a local cluster already runs in {self.run_dir}{owner}; stop it with "
-                f"`kvshard down --dir {self.run_dir}` or choose another --dir") from None
-        self._lock = lock
-
-    def _fresh_run_dir(self) -> None:
-        """Forget the previous run's state (etcd data, TSDB, logs); keep the sidecars' disk blocks,
-        which stay valid across runs and make the next warm-up a disk read."""
-        for name in ("logs", "etcd", "prometheus"):
-            shutil.rmtree(self.run_dir / name, ignore_errors=True)
-        for name in ("etcd.log", "kubeconfig", "prometheus.yml", "cacheshard.yaml"):
-            (self.run_dir / name).unlink(missing_ok=True)
-        self.logs_dir.mkdir(parents=True)
+        self._run_lock.acquire()
 
     def _link_log(self, name: str, target: Path) -> None:
         link = self.logs_dir / f"{name}.log"

@@ -8,7 +8,6 @@ cleanup they stop in reverse. Nothing is persisted: a restarted router rebuilds 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -18,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshard.etcd_store import EtcdStore
+from kvshard.tasks import cancel_and_wait
 from kvshard_router.backlog import Backlog
 from kvshard_router.corequest import CoRequestSketch
 from kvshard_router.corequest_publisher import CoRequestPublisher
@@ -80,10 +80,7 @@ class RouterApp:
         return self.corequest
 
     async def stop(self) -> None:
-        if self.publisher_task is not None:
-            self.publisher_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.publisher_task
+        await cancel_and_wait(self.publisher_task)
         if self.follower is not None:
             await self.follower.stop()
         if self.health is not None:

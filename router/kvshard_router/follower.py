@@ -5,7 +5,7 @@ into the state, which rebuilds the snapshot. The router must never stop serving 
 away: the last snapshot stays in force, the outage is logged once (not once per retry), and the
 watch is re-established with capped exponential backoff; when it comes back the watches start with
 a full read, so nothing published meanwhile is missed. (An outage in the middle of a watch is
-retried inside etcd3aio, which resumes from the last seen revision; :class:`QuietRepeats` keeps its
+retried inside etcd3aio, which resumes from the last seen revision; :class:`~kvshard.log_filters.QuietRepeats` keeps its
 per-attempt warnings to one a minute.)
 
 A new generation's item index can take seconds to build for millions of items, so it is built in a

@@ -16,6 +16,7 @@ import logging
 
 import aiohttp
 
+from kvshard.tasks import cancel_and_wait
 from kvshard_router.state import RouterState
 
 log = logging.getLogger(__name__)
@@ -41,11 +42,8 @@ class HealthChecker:
     async def stop(self) -> None:
         if self._on_change in self.state.listeners:
             self.state.listeners.remove(self._on_change)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def _on_change(self) -> None:
         """A new snapshot: probe now if a pod or its URL is new."""

@@ -8,8 +8,9 @@ import sys
 
 from aiohttp import web
 
-from kvshard.etcd_store import EtcdStore, quiet_watch_reconnects
+from kvshard.etcd_store import EtcdStore
 from kvshard.etcd_tls import EtcdTLSConfigError
+from kvshard.log_filters import quiet_watch_reconnects
 from kvshard.settings import SettingsError, describe
 from kvshard_router import settings as router_settings
 

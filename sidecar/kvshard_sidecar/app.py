@@ -27,7 +27,8 @@ from kvshard.segments import is_block_key
 from kvshard_sidecar.drain import Drain
 from kvshard_sidecar.follower import PlacementFollower
 from kvshard_sidecar.peers import TOKEN_HEADER, bearer
-from kvshard_sidecar.service import SidecarService, WarmUnit
+from kvshard_sidecar.prefill_queue import WarmUnit
+from kvshard_sidecar.service import SidecarService
 from kvshard_sidecar.validation import parse_prefill, parse_recommend
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Control path (DESIGN §2, §5): the operator publishes a placement generation; every sidecar watches
 ``current``, takes the clusters assigned to its pod name, queues their items' blocks on the
-:class:`~kvshard_sidecar.service.PrefillQueue` (so warming takes turns with requests on the one
+:class:`~kvshard_sidecar.prefill_queue.PrefillQueue` (so warming takes turns with requests on the one
 compute semaphore), and reports under ``warm/<pod>`` which clusters are complete. The router moves
 traffic to a replica only once it reports the cluster warm, so a cluster counts as warm only when
 *every* item block of it is stored locally — checked against the store, not assumed from the queue.
@@ -31,8 +31,10 @@ from typing import Any
 from kvshard.etcd_store import EtcdStore, EtcdStoreError, EtcdUnavailableError
 from kvshard.etcd_tls import EtcdTLSConfigError
 from kvshard.placement_schema import Placement, PlacementFormatError, WarmReport
+from kvshard.tasks import cancel_and_wait
 from kvshard_sidecar.blend_follower import follow_blend
-from kvshard_sidecar.service import SidecarService, WarmUnit
+from kvshard_sidecar.prefill_queue import WarmUnit
+from kvshard_sidecar.service import SidecarService
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +209,7 @@ class PlacementFollower:
         """Cancel the follower and withdraw this pod's warm report (best effort: etcd may be down)."""
         if self._task is None:
             return
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
+        await cancel_and_wait(self._task)
         try:
             store = self._store()
         except EtcdTLSConfigError as error:

@@ -31,7 +31,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     log.info("sidecar settings: %s", describe(settings))
     if settings.etcd_endpoints:
-        from kvshard.etcd_store import quiet_watch_reconnects
+        from kvshard.log_filters import quiet_watch_reconnects
 
         quiet_watch_reconnects()
     app = build_app(SidecarService(settings))

@@ -39,6 +39,7 @@ from typing import Any
 from kvshard.blend_policy import ratio_label
 from kvshard.ranking import best_index, kendall_tau
 from kvshard.segments import Prompt
+from kvshard.tasks import cancel_and_wait
 from kvshard_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
@@ -202,9 +203,4 @@ class ShadowChecker:
         self.checked += 1
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)

@@ -24,8 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvshard.etcd_store import EtcdStore, EtcdTLSError, EtcdUnavailableError
 from kvshard.etcd_tls import EtcdTLS
 from kvshard.local import LocalCluster
-from kvshard.local.cluster import ETCD_TLS_SECRET, process_start_time
+from kvshard.local.cluster import ETCD_TLS_SECRET
 from kvshard.local.kubeapi import condition
+from kvshard.local.run_folder import process_start_time
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.processes import http_ok
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import FakePod, eventually, metric, post, publish, running_router
 
-from kvshard.etcd_store import QuietRepeats
+from kvshard.log_filters import QuietRepeats
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.request_errors import RequestError
 from kvshard.testing_servers import EtcdServer

@@ -49,10 +49,11 @@ from kvshard_sidecar.engine.contexts import (
     later_text,
     system_context,
 )
+from kvshard_sidecar.engine.decoding import decode
 from kvshard_sidecar.engine.executor import Executor
 from kvshard_sidecar.engine.kvbuffer import KVBuffer
 from kvshard_sidecar.engine.oracle import Oracle
-from kvshard_sidecar.engine.results import BlendResult, Generation, Sampling, pick_token
+from kvshard_sidecar.engine.results import BlendResult, Generation, Sampling
 from kvshard_sidecar.engine.rope import apply_rotary, rotate_keys, rotation_tables
 from kvshard_sidecar.engine.selectors import (
     Layout,
@@ -544,7 +545,6 @@ class BlendEngine:
 
     # ----------------------------------------------------------------- decoding
 
-    @torch.inference_mode()
     def decode(
         self,
         result: BlendResult,
@@ -553,38 +553,8 @@ class BlendEngine:
         stop_token_ids: Iterable[int] = (),
         keep_logits: bool = False,
     ) -> Generation:
-        """Continue from a prefill: the first token comes from ``result.logits``, the rest are decoded on
-        ``result.kv`` (rows after the prompt are overwritten, so a result can be decoded again)."""
-        sampling = sampling or Sampling()
-        stops = set(stop_token_ids)
-        ex = self.executor
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        kv = result.kv
-        kv.reserve(result.num_tokens + max_new_tokens)
-        logits = result.logits
-        tokens: list[int] = []
-        kept: list[torch.Tensor] = []
-        position = result.num_tokens
-        for step in range(max_new_tokens):
-            if keep_logits:
-                kept.append(logits)
-            token = pick_token(logits, sampling, generator)
-            tokens.append(token)
-            if token in stops:
-                return Generation(tokens, kept, True)
-            if step == max_new_tokens - 1:
-                break
-            at = torch.tensor([position], device=ex.device)
-            hidden = ex.embed(torch.tensor([token], device=ex.device))
-            rope = ex.rope(at)
-            for layer in range(ex.shape.num_layers):
-                q, k, v = ex.project(layer, hidden, rope)
-                kv.write(layer, at, k, v)
-                keys, values = kv.layer(layer, upto=position + 1)
-                hidden = ex.finish(layer, hidden, q, keys, values, None)
-            logits = ex.logits(hidden)[0].cpu()
-            position += 1
-        return Generation(tokens, kept, False)
+        """Continue from a prefill (:func:`~kvshard_sidecar.engine.decoding.decode`)."""
+        return decode(self.executor, result, max_new_tokens, sampling, stop_token_ids, keep_logits)
 
     def generate(
         self,
