@@ -42,12 +42,14 @@ MERGE_RECORD = "kvshard-adapter.json"
 SCORERS = ("answer", "isolated", "late")
 """How a model ranks the candidates: by their label tokens at the answer position, or each one scored
 alone (:mod:`kvshard_sidecar.isolated_scorer`) — its item tokens reading the prefix (``isolated``) or
-only themselves, the label opening alone reading the prefix (``late`` interaction: what a cached item
-block holds). A merged model records the one it was trained for."""
+only their item but for the last few (``late`` interaction: those readers and the label opening read the
+prefix and are recomputed when blended, the rest is what a cached item block holds). A merged model
+records the one it was trained for (and, for ``late``, how many readers: :func:`model_interaction`)."""
 MODEL_HELP = ("'finetuned' (the MovieLens recommender `kvshard model prepare` merges from the shipped adapter), "
               "'base' (SmolLM2-135M-Instruct), 'scorer' (the MovieLens scorer: each candidate scored alone, so the "
-              "ranking is the same under every candidate order; served in rank mode only), 'late' (the same, "
-              "its item tokens reading only themselves: served exactly from cached item blocks) or a model folder")
+              "ranking is the same under every candidate order; served in rank mode only), 'late' (the same, each "
+              "item's tokens but its last 4 reading only the item: served exactly from cached item blocks, those 4 "
+              "recomputed) or a model folder")
 
 
 def base_model_path() -> Path:

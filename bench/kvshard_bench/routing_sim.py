@@ -267,6 +267,8 @@ class Simulation:
         self.index = ItemIndex.from_items(trace.item_ids, trace.labels)
         self.warm = {p: {c for c, h in self.assignment.items() if p in h} for p in self.pods}
         self.lru_size = lru_blocks(trace, model)
+        self._lru: list[collections.OrderedDict[int, None]] = []
+        """Per pod index, the item blocks it holds outside its warm clusters (least recently used first)."""
         self.generation = 1
         self.snapshot = self._snapshot()
 
@@ -284,6 +286,15 @@ class Simulation:
         self.snapshot = self._snapshot()
         return len(result.moved)
 
+    def _leave(self, pod: str, cluster: int) -> None:
+        """``cluster`` moved off ``pod``: as its sidecar does, the pod evicts every block of the cluster,
+        the copies it computed before it held the cluster included."""
+        self.warm[pod].discard(cluster)
+        if self._lru:
+            cache, labels = self._lru[self.pods.index(pod)], self.trace.labels
+            for item in [i for i in cache if int(labels[i]) == cluster]:
+                del cache[item]
+
     def _snapshot(self) -> Snapshot:
         placement = Placement(self.generation, self.assignment, {}, pods=self.pods)
         return build_snapshot(placement, self.warm, items=self.index)
@@ -298,7 +309,7 @@ class Simulation:
                           overhead_tokens=model.decode_ms / model.full_ms + model.fixed_tokens, clock=clock)
         counts = _Load(len(self.pods))
         load = backlog if self.load == "backlog" else counts
-        lru = [collections.OrderedDict[int, None]() for _ in self.pods]
+        lru = self._lru = [collections.OrderedDict[int, None]() for _ in self.pods]
         done: list[tuple[float, int, float]] = []  # (finish, pod index, work the router estimated)
         last_finish = np.zeros(len(self.pods))
         latencies = np.empty(n)
@@ -329,7 +340,7 @@ class Simulation:
                         self.warm[pod].add(c)
                     old = self.leaving.pop((c, pod), None)
                     if old is not None and old not in self.assignment.get(c, ()):
-                        self.warm[old].discard(c)  # make-before-break: the old copy goes once the new is warm
+                        self._leave(old, c)  # make-before-break: the old copy goes once the new is warm
                 self.snapshot = self._snapshot()
             while done and done[0][0] <= now:
                 clock.now, q, work = heapq.heappop(done)
@@ -417,7 +428,7 @@ class Simulation:
             if action.kind in ("move", "drop"):
                 gone = action.source if action.kind == "move" else action.pod
                 assert gone is not None
-                self.warm[gone].discard(action.cluster)
+                self._leave(gone, action.cluster)
             if action.kind in ("replicate", "move"):
                 heapq.heappush(pending, (now + self.model.warmup_fraction * interval, action.cluster, action.pod))
         self.assignment = result.assignment

@@ -11,7 +11,10 @@ pods' lists; an item asked for once stays until ``per_pod`` newer ones push it o
 The list is an estimate: a pod whose cache is smaller than ``per_pod`` or that restarted holds less
 than the router counts (a pod that leaves the placement is forgotten). That costs some locality,
 never an answer (a missing block is computed). Blocks the placement gives the pod are not recorded
-and not counted twice.
+and not counted twice; and when a new placement gives a pod a cluster, its entries of that cluster
+are dropped, because the sidecar keeps those blocks as the cluster's from then on and evicts them all
+when the cluster moves away — kept, they would count again then, for blocks the pod no longer has
+(a scale-in gives the leaving pod's clusters to the others, the scale-out after it takes them back).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class RecentBlocks:
         so a large table adds no collector pauses to decisions)."""
         self._placed_for: Snapshot | None = None
         self._pods_for: tuple[str, ...] | None = None
+        self._holders_for: object = None
         self._placed_sets: list[frozenset[int]] = []
 
     def __len__(self) -> int:
@@ -51,10 +55,26 @@ class RecentBlocks:
                 for gone in [p for p in self._lists if p not in snapshot.pod_index]:
                     self.forget(gone)
                 self._pods_for = snapshot.pods
-            indptr, holders = snapshot.indptr.tolist(), snapshot.holders.tolist()
-            self._placed_sets = [frozenset(holders[indptr[c]:indptr[c + 1]]) for c in range(snapshot.clusters)]
+            if snapshot.holders is not self._holders_for:  # a new placement or warm set, not only health
+                indptr, holders = snapshot.indptr.tolist(), snapshot.holders.tolist()
+                self._placed_sets = [frozenset(holders[indptr[c]:indptr[c + 1]]) for c in range(snapshot.clusters)]
+                self._holders_for = snapshot.holders
+                self._drop_placed(snapshot)
             self._placed_for = snapshot
         return self._placed_sets
+
+    def _drop_placed(self, snapshot: Snapshot) -> None:
+        """Drop each pod's entries of clusters the placement now gives it (the module's docstring says why)."""
+        placed, known, index = self._placed_sets, snapshot.clusters, snapshot.pod_index
+        for pod, blocks in self._lists.items():
+            j = index.get(pod)
+            if j is None or not blocks:
+                continue
+            items = list(blocks)
+            for item, cluster in zip(items, snapshot.clusters_of(items).tolist(), strict=True):
+                if 0 <= cluster < known and j in placed[cluster]:
+                    del blocks[item]
+                    self._drop(item, pod)
 
     def record(self, pod: str, items: Sequence[str], clusters: IntArray, snapshot: Snapshot) -> None:
         """``pod`` was sent ``items`` (their clusters in ``snapshot``): remember those it does not hold

@@ -53,6 +53,24 @@ def test_a_pod_that_leaves_the_placement_is_forgotten() -> None:
     assert len(recent) == 0
 
 
+def test_blocks_of_a_cluster_placed_on_the_pod_are_not_counted_after_it_moves_away() -> None:
+    """A sidecar evicts every block of a cluster that moves off it, the copies it computed before it
+    held the cluster included; so an entry must not outlive the pod's holding of its cluster."""
+    snap, recent = snapshot(), RecentBlocks(per_pod=8)
+    sent = ("c1-0", "c1-1", "c2-0")
+    recent.record("p0", sent, snap.clusters_of(sent), snap)
+    items = {f"c{c}-{k}": c for c in range(3) for k in range(10)}
+    given = build_snapshot(Placement(2, {0: ("p0",), 1: ("p0", "p1"), 2: ("p2",)}, items, pods=PODS),
+                           {"p0": [0, 1], "p1": [1], "p2": [2]})  # p0 is given c1 (e.g. a scale-in)
+    assert held(recent, given, sent) == [10.0, 0.0, 0.0]  # c1 counts once, by placement; c2-0 from the list
+    taken = build_snapshot(Placement(3, {0: ("p0",), 1: ("p1",), 2: ("p2",)}, items, pods=PODS),
+                           {"p0": [0], "p1": [1], "p2": [2]})  # c1 moves off p0 again: p0 evicted it
+    assert held(recent, taken, sent) == [10.0, 0.0, 0.0]  # only c2-0, which p0 never held by placement
+    assert len(recent) == 1
+    healthy_only = taken.with_health({"p1": False})  # a health change is not a new placement
+    assert held(recent, healthy_only, sent) == [10.0, 0.0, 0.0]
+
+
 def test_the_affinity_policy_sends_blocks_back_to_the_pod_that_computed_them() -> None:
     snap = snapshot()
     first = RouteRequest("u", ("c0-0", "c0-1", "c0-2", "c1-5", "c1-6"))  # p0 holds 3, p1 2: p0 computes c1-5, c1-6
