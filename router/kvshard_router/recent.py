@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvshard_router.snapshot import FloatArray, IntArray, Snapshot
+from kvshard_router.snapshot import FloatArray, Int32Array, IntArray, Snapshot
 
 
 class RecentBlocks:
@@ -41,7 +41,7 @@ class RecentBlocks:
         so a large table adds no collector pauses to decisions)."""
         self._placed_for: Snapshot | None = None
         self._pods_for: tuple[str, ...] | None = None
-        self._holders_for: object = None
+        self._holders_for: Int32Array | None = None
         self._placed_sets: list[frozenset[int]] = []
 
     def __len__(self) -> int:
