@@ -83,7 +83,7 @@ class PrefillQueue:
 
     def start(self, loop: asyncio.AbstractEventLoop, pool: Executor, compute: asyncio.Semaphore) -> None:
         self._pool, self._compute = pool, compute
-        self._task = loop.create_task(self._run(pool, compute))
+        self._task = loop.create_task(self._run())
 
     async def exclusive(self, work: Callable[..., Any], *args: Any) -> Any:
         """Run ``work(*args)`` in the worker pool holding the compute semaphore, so no request or
@@ -91,8 +91,8 @@ class PrefillQueue:
         async with self._compute:
             return await asyncio.get_running_loop().run_in_executor(self._pool, work, *args)
 
-    async def _run(self, pool: Executor, compute: asyncio.Semaphore) -> None:
-        loop = asyncio.get_running_loop()
+    async def _run(self) -> None:
+        loop, pool, compute = asyncio.get_running_loop(), self._pool, self._compute
         while True:
             _, _, unit = await self._queue.get()
             try:
