@@ -61,17 +61,22 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[di
                        prefix_caching=False, served_name=model.name),
         work / "vllm.log", f"http://127.0.0.1:{vllm_port}/health",
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_timeout=600)
-    with_vllm, url_vllm = _sidecar(work / "with-vllm", "--model", str(model), "--engine", "vllm", "--vllm-url",
-                                   f"http://127.0.0.1:{vllm_port}", "--exchange-dir", str(exchange))
-    embedded, url_embedded = _sidecar(work / "embedded", "--model", str(model))
+    processes = [vllm]
     try:
         vllm.start()
+        # the sidecars' ports are chosen only now: vLLM binds ports of its own while it starts (CI saw one
+        # take the port chosen for a sidecar before it)
+        with_vllm, url_vllm = _sidecar(work / "with-vllm", "--model", str(model), "--engine", "vllm",
+                                       "--vllm-url", f"http://127.0.0.1:{vllm_port}", "--exchange-dir", str(exchange))
+        processes.append(with_vllm)
         with_vllm.start()
+        embedded, url_embedded = _sidecar(work / "embedded", "--model", str(model))
+        processes.append(embedded)
         embedded.start()
         yield {"vllm": VllmClient(f"http://127.0.0.1:{vllm_port}", model.name), "exchange": exchange, "model": model,
                "with_vllm": url_vllm, "embedded": url_embedded}
     finally:
-        for process in (with_vllm, embedded, vllm):
+        for process in reversed(processes):
             process.stop()
 
 
