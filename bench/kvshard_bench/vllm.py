@@ -5,16 +5,20 @@ All modes serve the same MovieLens prompts, measured in one run:
 * ``vllm_apc`` — plain vLLM with automatic prefix caching: each user's first request warms vLLM's
   cache, the second (same history, new candidates) is measured, so system + history are a prefix
   hit and vLLM prefills the candidates and question. The baseline a production stack has today.
-* ``vllm_full`` — the same vLLM with the connector but no exchange entry: a full prefill.
+* ``vllm_full`` — the same vLLM with the connector but no exchange entry: a full prefill (answer-position
+  models; a scorer's connector server keeps its prefix cache on, so it has no full-prefill row).
 * ``embedded`` — kvshard's blend engine answers itself (blocks warm).
-* ``vllm_connector`` — kvshard blends (blocks warm), writes the prompt KV to the exchange, vLLM
-  loads it through the connector and computes only the last prompt token; TTFT = blend + exchange
-  write + vLLM's first streamed token.
+* ``vllm_connector`` — an answer-position model: kvshard blends (blocks warm), writes the prompt KV to
+  the exchange, vLLM loads it through the connector and computes only the last prompt token; TTFT =
+  blend + exchange write + vLLM's first streamed token. A scorer: vLLM does all the math
+  (:class:`~kvshard_sidecar.vllm_scores.VllmScorer`): the K candidate prompts in one batch, item bodies
+  loaded from the blocks vLLM stored when the user's first request warmed them, the prefix from vLLM's
+  prefix cache; TTFT = block checks + that request.
 
 Each model is asked the way the sidecar asks it (:class:`Asking`): an answer-position model
 (``finetuned``, ``base``) as one prompt whose first token answers; a scorer (``late``, the default, and
-``scorer``) as one vLLM request per candidate, ``prefix + item + " ["``, all sent at once, TTFT being
-the last candidate's first token. Every row also reports ``top1_agreement``: how often the mode's answer
+``scorer``) as one batched vLLM request of K prompts, ``prefix + item + " ["``, TTFT being the batch's.
+Every row also reports ``top1_agreement``: how often the mode's answer
 (the token, or the best-scored candidate) is the embedded engine's full prefill's. For the late scorer
 that column is what only kvshard can serve: its item tokens were trained to read only themselves, which
 a plain causal prefill (``vllm_full``, ``vllm_apc``) does not do, so plain vLLM times the same work
@@ -25,8 +29,9 @@ on this 2-core machine vLLM's CPU worker keeps a core busy for about a second af
 a blend started in that second runs 4x slower — an artifact of sharing two cores, not of either
 path. TTFT here is single-request latency at low load.
 
-Two vLLM servers run one after the other (one with the connector and no prefix cache, so blended
-KV never leaks into its cache; one plain with prefix caching), each started and stopped here.
+Two vLLM servers run one after the other (one with the connector — no prefix cache for an
+answer-position model, so blended KV never leaks into its cache; the prefix cache on for a scorer, whose
+loads are exact — and one plain with prefix caching), each started and stopped here.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationR
 from kvshard.ranking import best_index
 from kvshard.segments import Prompt
 from kvshard.testing_servers import free_port
+from kvshard_sidecar.blockstore import BlockStore
 from kvshard_sidecar.engine.blend import BlendEngine
 from kvshard_sidecar.engine.methods import METHODS, method_settings
 from kvshard_sidecar.engine.results import BlendResult
@@ -63,7 +69,7 @@ from kvshard_sidecar.exchange import KVExchange
 from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout, prefill_context_for, scoring_prompt
 from kvshard_sidecar.model import load_model
 from kvshard_sidecar.vllm_client import VllmClient, server_command
-from kvshard_sidecar.vllm_scores import score_through_vllm
+from kvshard_sidecar.vllm_scores import VllmScorer, score_causal
 
 Row = dict[str, object]
 SERVED_NAME = "kvshard-bench"
@@ -98,11 +104,12 @@ def other_candidates(request: RecommendationRequest, dataset: Dataset, seed: int
     return RecommendationRequest(request.user_id, request.history, tuple(fresh), request.target)
 
 
-def _vllm(model: Path, work: Path, name: str, exchange: Path | None, prefix_caching: bool) -> ManagedProcess:
+def _vllm(model: Path, work: Path, name: str, exchange: Path | None, prefix_caching: bool,
+          block_dir: Path | None = None) -> ManagedProcess:
     port = free_port()
     return ManagedProcess(
         server_command(sys.executable, model, port, exchange_dir=exchange, prefix_caching=prefix_caching,
-                       served_name=SERVED_NAME),
+                       served_name=SERVED_NAME, block_dir=block_dir),
         work / f"{name}.log", f"http://127.0.0.1:{port}/health",
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}, start_timeout=600)
 
@@ -156,11 +163,22 @@ def run(args: argparse.Namespace) -> list[Row]:
             tempfile.TemporaryDirectory(prefix="kvshard-bench-exchange-", dir=shm) as exchange_scratch:
         work = Path(scratch)
         exchange = KVExchange(Path(exchange_scratch))
-        with _vllm(loaded.path, work, "vllm-connector", Path(exchange_scratch), prefix_caching=False) as server:
+        scorer = asking.readout is not None
+        blocks = work / "blocks"
+        with _vllm(loaded.path, work, "vllm-connector", Path(exchange_scratch), prefix_caching=scorer,
+                   block_dir=blocks) as server:
             client = VllmClient(_url(server), SERVED_NAME)
-            asking.vllm(client, measured[0])  # the first request pays vLLM's lazy warm-up
-            runs["vllm_full"] = settled(lambda p: asking.vllm(client, p))
-            runs["vllm_connector"] = settled(lambda p: asking.connector(engine, exchange, client, p))
+            if scorer:
+                assert asking.readout is not None
+                path = VllmScorer(client, BlockStore(1 << 30, blocks, 1 << 34), loaded.identity,
+                                  asking.readout.token, asking.readout.interaction)
+                for first, _ in pairs:  # each user's first request warms the item blocks and the history
+                    path.score(first)
+                runs["vllm_connector"] = settled(lambda p: asking.computed_by_vllm(path, p))
+            else:
+                asking.vllm(client, measured[0])  # the first request pays vLLM's lazy warm-up
+                runs["vllm_full"] = settled(lambda p: asking.vllm(client, p))
+                runs["vllm_connector"] = settled(lambda p: asking.connector(engine, exchange, client, p))
         with _vllm(loaded.path, work, "vllm-apc", None, prefix_caching=True) as server:
             client = VllmClient(_url(server), SERVED_NAME)
             asking.vllm(client, pairs[0][0])
@@ -224,18 +242,18 @@ class Asking:
         if self.readout is None:
             completion = client.complete(prompt.token_ids, 1)
             return completion.first_token_s, completion.token_ids[0]
-        scored = score_through_vllm(client, IsolatedInputs.of_prompt(prompt), self.readout.token)
+        scored = score_causal(client, IsolatedInputs.of_prompt(prompt), self.readout.token)
         return scored.first_token_s, best_index(scored.scores)
 
+    def computed_by_vllm(self, path: VllmScorer, prompt: Prompt) -> Answered:
+        """A scorer as the sidecar serves it with ``--engine vllm``: no forward here, one batch in vLLM."""
+        scored = path.score(prompt)
+        return scored.ttft_s, best_index(scored.scores)
+
     def connector(self, engine: BlendEngine, exchange: KVExchange, client: VllmClient, prompt: Prompt) -> Answered:
-        """Blend + exchange write + vLLM's first streamed token(s), as the sidecar serves it."""
+        """Blend + exchange write + vLLM's first streamed token, as the sidecar serves an answer model."""
         started = time.perf_counter()
         result = engine.blend(prompt, readout=self.readout)
-        if self.readout is not None:
-            blended_s = time.perf_counter() - started
-            scored = score_through_vllm(client, IsolatedInputs.of_prompt(prompt), self.readout.token,
-                                        (exchange, result.kv))
-            return blended_s + scored.exchange_s + scored.first_token_s, best_index(scored.scores)
         n = result.num_tokens
         exchange.write(prompt.token_ids, result.kv.keys[:, :, :n], result.kv.values[:, :, :n])
         completion = client.complete(prompt.token_ids, 1)

@@ -2,9 +2,9 @@
 
 Handlers validate, admit, and hand the blocking model work to a small thread pool, so the event
 loop keeps answering health checks, metrics and peers while a prefill runs. Admission is bounded:
-``max_concurrency`` requests compute, ``max_queue`` wait, and the next one gets 429 with
-``Retry-After`` at once — never an unbounded queue. Every client mistake is a 4xx with a JSON body
-naming the field; the process keeps serving.
+``max_concurrency`` requests compute (``vllm_concurrency`` when vLLM computes), ``max_queue`` wait, and
+the next one gets 429 with ``Retry-After`` at once — never an unbounded queue. Every client mistake
+is a 4xx with a JSON body naming the field; the process keeps serving.
 """
 
 from __future__ import annotations
@@ -211,10 +211,10 @@ def build_app(service: SidecarService) -> web.Application:
     """The aiohttp application; the model loads in the background after startup."""
     app = web.Application(middlewares=[errors_as_json], client_max_size=MAX_BODY_BYTES)
     app[SERVICE] = service
-    app["admission"] = Admission(service.settings.max_concurrency, service.settings.max_queue)
-    app["compute"] = asyncio.Semaphore(service.settings.max_concurrency)
+    app["admission"] = Admission(service.concurrency, service.settings.max_queue)
+    app["compute"] = asyncio.Semaphore(service.concurrency)
     app[DRAIN] = Drain(lambda: app["admission"].inside, settle_seconds=service.settings.drain_settle_seconds)
-    app["pool"] = ThreadPoolExecutor(max_workers=service.settings.max_concurrency, thread_name_prefix="engine")
+    app["pool"] = ThreadPoolExecutor(max_workers=service.concurrency, thread_name_prefix="engine")
     app.router.add_post("/v1/recommend", recommend)
     app.router.add_post("/v1/blocks/prefill", prefill)
     app.router.add_get("/v1/blocks/{key}", get_block)  # aiohttp adds HEAD for GET routes

@@ -174,6 +174,19 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
+def load_tokenizer(path: Path | str, dtype: str = "float32") -> tuple[Any, Any, ModelIdentity]:
+    """The tokenizer, config and identity of a model folder, without its weights: what a sidecar needs
+    when vLLM computes everything (its weights are vLLM's one copy)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"no Hugging Face model folder at {folder}")
+    config = AutoConfig.from_pretrained(folder)
+    check_supported(config)
+    return AutoTokenizer.from_pretrained(folder), config, read_identity(folder, dtype)
+
+
 def load_model(path: Path | str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """Load a local Hugging Face folder (default: the prepared SmolLM2) for the blend engine."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

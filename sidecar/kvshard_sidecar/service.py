@@ -28,12 +28,13 @@ from kvshard.prompt_template import PromptTemplate
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
 from kvshard.ranking import rank_candidates
 from kvshard.request_errors import RequestError
-from kvshard.segments import Prompt
+from kvshard.segments import ModelIdentity, Prompt
 from kvshard_sidecar.blockstore import BlockStore, encode_block
+from kvshard_sidecar.engine.contexts import segment_keys
 from kvshard_sidecar.engine.methods import method_settings
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.exchange import KVExchange
-from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout, prefill_context_for, scoring_prompt
+from kvshard_sidecar.isolated_scorer import Readout, prefill_context_for, scoring_prompt
 from kvshard_sidecar.metrics import SidecarMetrics
 from kvshard_sidecar.peers import HoldersOf, PeerFetcher, PlacementHolders, static_holders
 from kvshard_sidecar.prefill_queue import PrefillQueue, WarmUnit
@@ -42,7 +43,7 @@ from kvshard_sidecar.settings import SidecarSettings
 from kvshard_sidecar.shadow import ShadowChecker
 from kvshard_sidecar.validation import Limits, RecommendCall
 from kvshard_sidecar.vllm_client import Completion, VllmClient
-from kvshard_sidecar.vllm_scores import score_through_vllm
+from kvshard_sidecar.vllm_scores import VllmScorer
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,12 @@ class SidecarService:
         """How the model ranks (:data:`kvshard.models.SCORERS`): at the answer position, or each candidate
         scored alone (:mod:`kvshard_sidecar.isolated_scorer`, embedded engine only)."""
         self.readout: Readout | None = None
+        self.vllm_computes = settings.engine == "vllm" and self.scorer != "answer"
+        """A scorer served with ``--engine vllm``: vLLM does all the math (:mod:`kvshard_sidecar.vllm_scores`),
+        this process holds the tokenizer, never the weights, and admits ``vllm_concurrency`` requests."""
+        self.concurrency = settings.vllm_concurrency if self.vllm_computes else settings.max_concurrency
         self.metrics = SidecarMetrics(self.model_name, self.store.stats, cacheshard=settings.cacheshard,
-                                      pressure=PressureTracker(settings.max_concurrency, settings.ttft_target_seconds,
+                                      pressure=PressureTracker(self.concurrency, settings.ttft_target_seconds,
                                                                settings.pressure_window_seconds))
         self.prefill_queue = PrefillQueue(self)
         self.ready = False
@@ -93,13 +98,14 @@ class SidecarService:
         """The catalog version in use ("" = ``--dataset``)."""
         self.prompt_spec: Mapping[str, str] = {}
         """``spec.prompt`` in use ({} = the default template)."""
-        self._identity: Any = None
+        self._identity: ModelIdentity | None = None
         self._dataset: Dataset | None = None
         self._builder: PromptBuilder | None = None
         self._engine: Any = None
         self._eos: set[int] = set()
         self._vllm: VllmClient | None = None
         self._exchange: KVExchange | None = None
+        self._vllm_scorer: VllmScorer | None = None
         if settings.engine == "vllm":
             self._vllm = VllmClient(settings.vllm_url, settings.vllm_model or self.model_name)
             self._exchange = KVExchange(settings.exchange_dir)
@@ -107,7 +113,7 @@ class SidecarService:
     def load(self) -> None:
         """Load catalog and model (seconds); the API answers 503 until this returns."""
         from kvshard_sidecar.engine.blend import BlendEngine
-        from kvshard_sidecar.model import load_model
+        from kvshard_sidecar.model import load_model, load_tokenizer
 
         try:
             self._dataset = load_dataset(self.settings.dataset)
@@ -119,23 +125,31 @@ class SidecarService:
                         error)
             self._dataset = Dataset(name="empty", items={})
         self.items, self.users = self._dataset.items, self._dataset.histories
-        loaded = load_model(self.model_path, dtype=self.settings.dtype, device=self.settings.device)
-        self.model_name = loaded.identity.name
+        if self.vllm_computes:
+            tokenizer, config, identity = load_tokenizer(self.model_path, self.settings.dtype)
+        else:
+            loaded = load_model(self.model_path, dtype=self.settings.dtype, device=self.settings.device)
+            tokenizer, config, identity = loaded.tokenizer, loaded.config, loaded.identity
+        self.model_name = identity.name
         self.metrics.model_name = self.model_name
         template = PromptTemplate.from_spec(self.trained_prompt)
-        self._builder = PromptBuilder(loaded.tokenizer, self._dataset, template=template)
-        self._identity = loaded.identity
-        self._engine = BlendEngine(loaded.model, dataclasses.replace(loaded.identity, template=template.fingerprint),
-                                   self.store, self.blend_defaults)
-        eos = loaded.tokenizer.eos_token_id
+        self._builder = PromptBuilder(tokenizer, self._dataset, template=template)
+        self._identity = identity
+        self.readout = Readout.for_model(tokenizer, self.model_path)
+        if self.vllm_computes:
+            assert self._vllm is not None and self.readout is not None
+            self._vllm_scorer = VllmScorer(self._vllm, self.store, self.identity, self.readout.token,
+                                           self.readout.interaction)
+        else:
+            self._engine = BlendEngine(loaded.model, self.identity, self.store, self.blend_defaults)
+        eos = tokenizer.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-        self.readout = Readout.for_model(loaded.tokenizer, self.model_path)
         self.limits = Limits(min(self.settings.max_candidates, self._builder.max_candidates),
                              self.settings.max_history, self.settings.max_new_tokens,
-                             num_layers=self._engine.executor.shape.num_layers)
-        context = int(getattr(loaded.config, "max_position_embeddings", 2048))
+                             num_layers=int(config.num_hidden_layers))
+        context = int(getattr(config, "max_position_embeddings", 2048))
         self.context_tokens = min(context, self.settings.max_prompt_tokens or context)
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = tokenizer
         self.item_block_keys = self._item_keys()
         self.metrics.catalog_items.labels(self.model_name).set(len(self.items))
         if self.holders is not None:
@@ -159,6 +173,19 @@ class SidecarService:
                                          or now - self.loaded_at < self.settings.blend_wait_seconds)
 
     @property
+    def identity(self) -> ModelIdentity:
+        """The identity blocks are keyed by: the model's, with the prompt template in use."""
+        assert self._identity is not None and self._builder is not None, "load() first"
+        return dataclasses.replace(self._identity, template=self._builder.template.fingerprint)
+
+    def item_key(self, item_id: str) -> str:
+        """The key item ``item_id``'s block is stored under: the prompt shape ``warm_unit`` uses, so the
+        keys match a request's exactly (pure: no weights needed)."""
+        builder = self.builder
+        return segment_keys(self.identity, Prompt.of([builder.system_segment, builder.item_segment(item_id)]),
+                            self.blend_defaults)[1]
+
+    @property
     def builder(self) -> PromptBuilder:
         assert self._builder is not None, "load() first"
         return self._builder
@@ -180,12 +207,11 @@ class SidecarService:
         items = catalog.items()
         dataset = Dataset(name=f"catalog-{version[:12]}", items=items)
         builder = PromptBuilder(self.tokenizer, dataset, template=template)
-        identity = dataclasses.replace(self._identity, template=template.fingerprint)
         same_template = old_builder.template == template
-        self._engine.identity = identity
         self._builder, self._dataset = builder, dataset
+        if self._engine is not None:
+            self._engine.identity = self.identity
         old_items = old_builder.dataset.items
-        system = builder.system_segment
         keys: dict[str, str] = {}
         for item_id, item in items.items():
             prior = old_items.get(item_id) if same_template else None
@@ -193,7 +219,7 @@ class SidecarService:
                     and item_id in old_keys:
                 keys[item_id] = old_keys[item_id]
             else:
-                keys[item_id] = self._engine.block_keys(Prompt.of([system, builder.item_segment(item_id)]))[1]
+                keys[item_id] = self.item_key(item_id)
         self.items, self.users = items, {}
         self.item_block_keys = keys
         self.metrics.catalog_items.labels(self.model_name).set(len(items))
@@ -327,18 +353,13 @@ class SidecarService:
 
     def _scores_through_vllm(self, built: RecommendationPrompt, call: RecommendCall
                              ) -> tuple[Any, list[float], float, dict[str, float]]:
-        """A scorer through vLLM: blend the scoring prompt here, then one vLLM request per candidate,
-        ``prefix + item + " ["``, with its KV — the prefix's rows and that candidate's, at the positions
-        they were blended at — in the exchange: vLLM computes only the label opening and returns
-        ``log P(readout)``. The K requests go at once (vLLM batches them)."""
-        assert self._exchange is not None and self._vllm is not None and self.readout is not None
-        prompt = scoring_prompt(built)
-        result = self._engine.blend(prompt, call.blend, readout=self.readout)
-        scored = score_through_vllm(self._vllm, IsolatedInputs.of_prompt(prompt), self.readout.token,
-                                    (self._exchange, result.kv))
-        extra = {"exchange_ms": round(scored.exchange_s * 1000, 3),
-                 "vllm_first_token_ms": round(scored.first_token_s * 1000, 3)}
-        return result, scored.scores, result.ttft_s + scored.exchange_s + scored.first_token_s, extra
+        """A scorer through vLLM, which does all the math: the item blocks made local (or computed by
+        vLLM), then the K candidate prompts in one batch, their item bodies loaded by the connector
+        (:mod:`kvshard_sidecar.vllm_scores`). Exact whatever the blend settings: nothing is blended."""
+        assert self._vllm_scorer is not None
+        scored = self._vllm_scorer.score(scoring_prompt(built))
+        extra = {"vllm_first_token_ms": round(scored.first_token_s * 1000, 3)}
+        return scored, scored.scores, scored.ttft_s, extra
 
     def _generate(self, built: RecommendationPrompt, call: RecommendCall
                   ) -> tuple[Any, list[int], str, dict[int, float], float, dict[str, float]]:
@@ -392,6 +413,8 @@ class SidecarService:
         returns tokens computed. Items go through one batched prefill: their keys are the same as
         one by one (a key depends on the segment and its context, never the position)."""
         builder = self.builder
+        if self._vllm_scorer is not None:
+            return self._warm_through_vllm(unit)
         segments = [builder.system_segment]
         if unit.kind == "item":
             segments += [builder.item_segment(ident) for ident in unit.idents]
@@ -401,12 +424,23 @@ class SidecarService:
         computed: dict[str, int] = self._engine.ensure_blocks(Prompt.of(segments))
         return sum(computed.values())
 
+    def _warm_through_vllm(self, unit: WarmUnit) -> int:
+        """Warming when vLLM computes: item bodies a late scorer loads are prefilled alone by vLLM and saved
+        by its connector; an isolated scorer's items read the history, so nothing of theirs is stored
+        ahead, and history prefixes are stored on a user's first request (vLLM computes them then)."""
+        assert self._vllm_scorer is not None
+        if unit.kind != "item":
+            return 0
+        segments = [self.builder.item_segment(ident) for ident in unit.idents]
+        wanted = {self.item_key(ident): list(segment.token_ids) for ident, segment in zip(unit.idents, segments,
+                                                                                         strict=True)
+                  if self._vllm_scorer.body_tokens(len(segment)) > 0}
+        computed = self._vllm_scorer.ensure(wanted)
+        return sum(len(wanted[key]) for key in computed)
+
     def _item_keys(self) -> dict[str, str]:
-        """Item id → the key its block is stored under: the prompt shape ``warm_unit`` uses, so the
-        keys match a request's exactly (1,682 MovieLens items: a few milliseconds of hashing)."""
-        system = self.builder.system_segment
-        return {item: self._engine.block_keys(Prompt.of([system, self.builder.item_segment(item)]))[1]
-                for item in self.items}
+        """Item id → the key its block is stored under (1,682 MovieLens items: a few milliseconds)."""
+        return {item: self.item_key(item) for item in self.items}
 
     def history_users(self, count: int) -> list[str]:
         """The ``count`` most active users (longest histories first, then by id) to warm ahead."""
@@ -435,6 +469,8 @@ class SidecarService:
         return encode_block(key, block) if block is not None else None
 
     def close(self) -> None:
+        if self._vllm_scorer is not None:
+            self._vllm_scorer.close()
         self.store.close()
 
 

@@ -48,6 +48,9 @@ class SidecarSettings:
     peer_timeout_seconds: float = setting(2.0, "timeout of one peer block fetch")
     max_concurrency: int = setting(1, "requests computed at once (the model is one device)")
     max_queue: int = setting(8, "requests allowed to wait; beyond that the sidecar answers 429")
+    vllm_concurrency: int = setting(8, "requests admitted at once when vLLM computes (a scorer model with --engine "
+                                    "vllm: the sidecar runs no forward and vLLM batches across requests); size it so "
+                                    "this many recommendations' candidates fit vLLM's --max-num-seqs")
     ttft_target_seconds: float = setting(2.0, "TTFT the pod is sized for: the latency half of the pressure gauge "
                                          "the autoscaler scales on is TTFT p90 / this")
     pressure_window_seconds: float = setting(60.0, "window of the TTFT p90 in the pressure gauge")
@@ -98,7 +101,7 @@ class SidecarSettings:
         for name in ("memory_bytes", "disk_bytes", "max_queue", "max_prompt_tokens", "blend_wait_seconds"):
             if getattr(self, name) < 0:
                 raise settings_lib.SettingsError(f"{name} must be >= 0")
-        for name in ("max_concurrency", "max_candidates", "max_new_tokens", "port"):
+        for name in ("max_concurrency", "vllm_concurrency", "max_candidates", "max_new_tokens", "port"):
             if getattr(self, name) < 1:
                 raise settings_lib.SettingsError(f"{name} must be >= 1")
         if not 0.0 <= self.ratio <= 1.0:

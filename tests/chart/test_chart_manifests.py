@@ -174,6 +174,30 @@ def test_vllm_container_loads_the_kvshard_connector(rendered: dict[str, list[Man
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
+def test_a_block_trained_scorer_is_computed_by_vllm_from_the_pods_block_store(
+        rendered: dict[str, list[Manifest]]) -> None:
+    """engine.model.scorer late: vLLM keeps its prefix cache (everything loaded is exact), reads and writes
+    blocks in the disk tier the sidecar uses, and fails a request whose block cannot be loaded (the sidecar
+    warms it again) rather than computing an item body causally."""
+    pod = engine_pod(rendered["late-scorer"])
+    vllm, sidecar = container(pod, "vllm"), container(pod, "sidecar")
+    args = vllm["args"]
+    assert "--enable-prefix-caching" in args and "--no-enable-prefix-caching" not in args
+    assert "--max-num-seqs=256" in args
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert config["kv_load_failure_policy"] == "fail"
+    block_dir = config["kv_connector_extra_config"]["block_dir"]
+    sidecar_env = env(sidecar)
+    assert block_dir == sidecar_env["KVSHARD_SIDECAR_DISK_DIR"]
+    assert config["kv_connector_extra_config"]["block_bytes"] == int(sidecar_env["KVSHARD_SIDECAR_DISK_BYTES"])
+    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (vllm, sidecar)}
+    assert mounts["vllm"]["blocks"] == mounts["sidecar"]["blocks"] and block_dir.startswith(mounts["vllm"]["blocks"])
+    assert sidecar_env["KVSHARD_SIDECAR_VLLM_CONCURRENCY"] == "8"
+    default = container(engine_pod(rendered["default"]), "vllm")
+    assert "--no-enable-prefix-caching" in default["args"] and "blocks" not in {
+        m["name"] for m in default["volumeMounts"]}
+
+
 def test_kind_values_run_on_cpu_with_the_baked_in_model(rendered: dict[str, list[Manifest]]) -> None:
     pod = engine_pod(rendered["kind"])
     for c in containers(pod):

@@ -58,6 +58,7 @@ EXPECTED["autoscaling"] = EXPECTED["default"] | {
 }
 EXPECTED["autoscaling-keda"] = EXPECTED["default"] | {"ScaledObject/kvs-kvshard-engine"}
 EXPECTED["embedding"] = EXPECTED["default"]  # the Jobs are the operator's, not the chart's
+EXPECTED["late-scorer"] = EXPECTED["default"]  # the same objects; the engine pod is configured otherwise
 EXPECTED["monitoring-off"] = (EXPECTED["default"] - {
     "ConfigMap/kvs-kvshard-dashboard", "PrometheusRule/kvs-kvshard", "ServiceMonitor/kvs-kvshard-engine",
     "ServiceMonitor/kvs-kvshard-operator", "ServiceMonitor/kvs-kvshard-router", "NetworkPolicy/kvs-kvshard-engine",

@@ -327,7 +327,7 @@ def test_prefix_caching_allowed_by_the_override_is_logged_as_a_warning(
 ) -> None:
     """Case 2 of issue 16: ``"allow_prefix_caching": true`` lets vLLM serve (the test above) and
     each connector role says in vLLM's own log what it risks."""
-    from kvshard_sidecar.connector import PREFIX_CACHING_ALLOWED
+    from kvshard_sidecar.prefix_cache_guard import PREFIX_CACHING_ALLOWED
 
     warnings = [line for line in prefix_cached.log.splitlines()
                 if "WARNING" in line and PREFIX_CACHING_ALLOWED in line]

@@ -33,12 +33,13 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1",
                     reason="vLLM is not installed in this environment (the vllm extra)")
 
-from kvshard_sidecar.connector import (  # noqa: E402  (after the skip)
+from kvshard_sidecar.prefix_cache_guard import (  # noqa: E402  (after the skip)
     ALLOW_PREFIX_CACHING,
     PREFIX_CACHING_ALLOWED,
     PREFIX_CACHING_REFUSED,
     PrefixCachingError,
     check_prefix_caching,
+    prefix_caching_exact,
 )
 
 # vLLM reaches the connector after loading the model and sizing the KV cache (~60 s here on two
@@ -75,6 +76,21 @@ def test_the_override_lets_it_start_with_a_warning() -> None:
     warning = check_prefix_caching(True, {ALLOW_PREFIX_CACHING: True})
     assert warning == PREFIX_CACHING_ALLOWED
     assert "Only safe when every blend recomputes all tokens" in warning
+
+
+@pytest.mark.parametrize("scorer", ["late", "isolated"])
+def test_a_block_trained_scorer_keeps_the_prefix_cache_and_says_why(scorer: str) -> None:
+    """Everything the connector loads for a scorer is exact (prefix rows vLLM computed, late item bodies
+    prefilled alone), so the prefix cache is allowed — and wanted — without the override."""
+    line = check_prefix_caching(True, {}, scorer)
+    assert line == prefix_caching_exact(scorer)
+    assert f"block-trained {scorer} scorer" in line and "exact" in line
+    assert check_prefix_caching(False, {}, scorer) is None
+
+
+def test_a_model_that_answers_from_blended_kv_is_still_refused() -> None:
+    with pytest.raises(PrefixCachingError):
+        check_prefix_caching(True, {}, "answer")
 
 
 @pytest.mark.parametrize("value", ["true", "false", 1, 0, None])

@@ -11,9 +11,7 @@ token must equal the embedded engine's and the top logprobs must agree to float 
 candidates in the same order with the same label log-probabilities. The connector must have
 claimed ``len(prompt) - 1`` tokens per request and vLLM computed exactly one prompt token each.
 
-A second vLLM serves a scorer (``--model scorer``, then ``late``): the vLLM sidecar blends the scoring
-prompt and sends one request per candidate, ``prefix + item + " ["`` with its blended KV; vLLM computes only the
-label opening. Its scores must be the embedded engine's.
+Scorer models, which vLLM serves without any blending here, are tested in ``test_sidecar_vllm_scorer``.
 """
 
 from __future__ import annotations
@@ -83,13 +81,6 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[di
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     yield from _cluster(tmp_path_factory, "finetuned")
-
-
-@pytest.fixture(scope="module", params=["scorer", "late"])
-def scorer_cluster(request: pytest.FixtureRequest,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Both scorers: ``late`` (what the demo and the benchmarks measure) differs only in its items' KV."""
-    yield from _cluster(tmp_path_factory, str(request.param))
 
 
 def _post(url: str, body: Any) -> Any:
@@ -170,22 +161,3 @@ def test_connector_loaded_all_but_the_last_token_and_vllm_computed_one(
     assert sources.get("external_kv_transfer") == sum(n - 1 for n in prompt_tokens)
     assert sources.get("local_compute") == len(prompt_tokens)
     assert not list(cluster["exchange"].glob("*.safetensors"))  # every entry removed after use
-
-
-def test_vllm_scores_each_candidate_from_the_blended_kv_as_the_embedded_engine_does(
-        scorer_cluster: dict[str, Any]) -> None:
-    from kvshard_sidecar.exchange import read_connector_stats
-
-    worst, candidates = 0.0, 0
-    for from_vllm, embedded in _ask_both(scorer_cluster):
-        assert from_vllm["engine"] == "vllm" and from_vllm["model"] == embedded["model"] == scorer_cluster["model"].name
-        assert [r["candidate"] for r in from_vllm["ranking"]] == [r["candidate"] for r in embedded["ranking"]]
-        worst = max(worst, *(abs(a["logprob"] - b["logprob"])
-                             for a, b in zip(from_vllm["ranking"], embedded["ranking"], strict=True)))
-        candidates += len(from_vllm["ranking"])
-    print(f"largest candidate score difference vLLM vs embedded: {worst:.2e}")
-    assert worst <= LOGPROB_TOLERANCE
-    stats = read_connector_stats(scorer_cluster["exchange"] / "stats")
-    assert stats["requests_matched"] == candidates and stats["load_failures"] == 0  # one request per candidate
-    assert scorer_cluster["vllm"].prompt_tokens_by_source().get("local_compute") == candidates  # its label opening
-    assert not list(scorer_cluster["exchange"].glob("*.safetensors"))

@@ -280,7 +280,20 @@ Call with one extraArgs item; renders nothing.
 
 {{/* The vLLM --kv-transfer-config JSON that loads the kvshard connector. */}}
 {{- define "kvshard.kvTransferConfig" -}}
+{{- if include "kvshard.vllmComputes" . }}
+{{- dict "kv_connector" "KvshardConnector" "kv_connector_module_path" "kvshard_sidecar.connector" "kv_role" "kv_both" "kv_load_failure_policy" "fail" "kv_connector_extra_config" (dict "exchange_dir" .Values.engine.exchangeDir "block_dir" "/var/cache/kvshard/blocks" "block_bytes" (int64 .Values.engine.sidecar.diskBytes)) | toJson }}
+{{- else }}
 {{- dict "kv_connector" "KvshardConnector" "kv_connector_module_path" "kvshard_sidecar.connector" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" (dict "exchange_dir" .Values.engine.exchangeDir) | toJson }}
+{{- end }}
+{{- end }}
+
+{{/*
+Non-empty when vLLM does all the math (a block-trained scorer, engine.model.scorer late or isolated):
+prefix cache on, item blocks read from the pod's disk tier, a failed block load fails the request
+(the sidecar warms the block again) instead of computing an item body causally.
+*/}}
+{{- define "kvshard.vllmComputes" -}}
+{{- if has .Values.engine.model.scorer (list "late" "isolated") }}true{{ end }}
 {{- end }}
 
 {{/*

@@ -43,10 +43,10 @@ from kvshard_sidecar.engine.contexts import (
     appearance_texts,
     average_blocks,
     behind_system_only,
-    context_tag,
     exact_segments,
     is_averaged,
     later_text,
+    segment_keys,
     system_context,
 )
 from kvshard_sidecar.engine.decoding import decode
@@ -130,25 +130,7 @@ class BlendEngine:
 
     def block_keys(self, prompt: Prompt, settings: BlendSettings | None = None) -> list[str]:
         """The key of every segment's block as this engine stores it (the suffix's too, unused)."""
-        settings = settings or self.settings
-        context_segment = system_context(prompt, settings.prefill_context)
-        context_key = block_key(self.identity, context_segment) if context_segment else ""
-        neutral = later_text(settings) if context_segment is not None else None
-        later_key = f"{context_key}+{block_key(self.identity, neutral, context_key)}" if neutral else context_key
-        if settings.prefill_context == "history":
-            later_key = ""  # alone at position 0: standalone's blocks
-        averaged_key = context_tag([f"{context_key}+{block_key(self.identity, text, context_key)}"
-                                    for text in appearance_texts(settings)])
-        keys = []
-        for index, segment in enumerate(prompt.segments):
-            if context_segment is None or index == 0:
-                context = ""
-            elif behind_system_only(prompt, index, settings):
-                context = context_key
-            else:
-                context = averaged_key if is_averaged(prompt, index, settings) else later_key
-            keys.append(block_key(self.identity, segment, context))
-        return keys
+        return segment_keys(self.identity, prompt, settings or self.settings)
 
     def prefill_segment(self, segment: Segment, context: KVBlock | None = None) -> KVBlock:
         """Compute one segment's block; see :meth:`prefill_segments`."""

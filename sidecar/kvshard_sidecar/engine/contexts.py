@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvshard.segments import Prompt, Segment, SegmentKind
+from kvshard.segments import ModelIdentity, Prompt, Segment, SegmentKind, block_key
 from kvshard_sidecar.blockstore.block import KVBlock
 from kvshard_sidecar.engine.settings import BlendSettings
 
@@ -150,3 +150,27 @@ def averaging_contexts(header: Sequence[int], labels: Sequence[Sequence[int]], f
             ids += labels[a + 1]
         contexts.append(tuple(ids))
     return tuple(contexts)
+
+
+def segment_keys(identity: ModelIdentity, prompt: Prompt, settings: BlendSettings) -> list[str]:
+    """The key of every segment's block of ``prompt`` as a model of ``identity`` stores it under
+    ``settings`` (the suffix's too, unused). Pure: a sidecar that holds no weights (vLLM computes) names
+    blocks exactly as the engine does."""
+    context_segment = system_context(prompt, settings.prefill_context)
+    context_key = block_key(identity, context_segment) if context_segment else ""
+    neutral = later_text(settings) if context_segment is not None else None
+    later_key = f"{context_key}+{block_key(identity, neutral, context_key)}" if neutral else context_key
+    if settings.prefill_context == "history":
+        later_key = ""  # alone at position 0: standalone's blocks
+    averaged_key = context_tag([f"{context_key}+{block_key(identity, text, context_key)}"
+                                for text in appearance_texts(settings)])
+    keys = []
+    for index, segment in enumerate(prompt.segments):
+        if context_segment is None or index == 0:
+            context = ""
+        elif behind_system_only(prompt, index, settings):
+            context = context_key
+        else:
+            context = averaged_key if is_averaged(prompt, index, settings) else later_key
+        keys.append(block_key(identity, segment, context))
+    return keys

@@ -54,3 +54,13 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.T
         raise ValueError(f"{cos.shape[0]} shifts for {tokens} tokens")
     rotated = apply_rotary(keys.to(torch.float32), cos, sin)
     return rotated.to(keys.dtype)
+
+
+def inv_freq_for(config: object) -> torch.Tensor:
+    """The RoPE frequencies ``ω`` of a Llama-family Hugging Face config, scaling included (``llama3``,
+    ``linear``): the very module the model's attention uses builds them, so a process that holds no
+    weights (vLLM's connector) rotates keys exactly as the blend engine does."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    frequencies: torch.Tensor = LlamaRotaryEmbedding(config).inv_freq  # type: ignore[arg-type]
+    return frequencies.to(torch.float32)
