@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import http.client
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshard.request_errors import RequestError, error_body
 from kvshard.segments import is_block_key
+from kvshard.tasks import cancel_and_wait
 from kvshard_sidecar.drain import Drain
 from kvshard_sidecar.follower import PlacementFollower
 from kvshard_sidecar.peers import TOKEN_HEADER, bearer
@@ -243,6 +245,8 @@ async def _start(app: web.Application) -> None:
         log.info("sidecar %s ready in %.1f s (model %s)", service.settings.name,
                  time.perf_counter() - started, service.model_name)
         service.prefill_queue.start(loop, app["pool"], app["compute"])
+        if service.vllm_computes:
+            app["vllm_queue"] = asyncio.create_task(_follow_vllm_queue(service))
         admission: Admission = app["admission"]
         service.shadow.start(app["pool"], app["compute"], busy=lambda: admission.inside > 0)
         history = service.history_users(service.settings.warm_history_users)
@@ -257,6 +261,25 @@ async def _start(app: web.Application) -> None:
     app["loader"] = asyncio.create_task(load())
 
 
+async def _follow_vllm_queue(service: SidecarService, every_seconds: float = 1.0) -> None:
+    """Read vLLM's scheduler queue into the pressure gauge once a second (vLLM computes, so its queue is the
+    pod's); a failed read keeps the last one and is logged once until a read succeeds."""
+    client, capacity = service.vllm_client, service.settings.vllm_max_num_seqs
+    assert client is not None
+    failing = False
+    while True:
+        try:
+            running, waiting = await asyncio.get_running_loop().run_in_executor(None, client.scheduler_queue)
+        except (OSError, http.client.HTTPException, ValueError, IndexError) as error:
+            if not failing:
+                log.warning("cannot read vLLM's queue for the pressure gauge: %s", error)
+            failing = True
+        else:
+            service.metrics.pressure.engine_queue(running, waiting, capacity)
+            failing = False
+        await asyncio.sleep(every_seconds)
+
+
 def _blend_wait_over(service: SidecarService) -> None:
     if not service.blend_known:
         log.warning("no blend settings read from etcd within %g s; ready with the flags' (%s r=%g) until the "
@@ -267,6 +290,8 @@ def _blend_wait_over(service: SidecarService) -> None:
 async def _stop(app: web.Application) -> None:
     service = app[SERVICE]
     app["loader"].cancel()
+    if "vllm_queue" in app:
+        await cancel_and_wait(app["vllm_queue"])
     follower = app.get(FOLLOWER)
     if follower is not None:
         await follower.stop()

@@ -6,6 +6,11 @@ the queue term reacts at once to a burst (a request waiting is pressure before i
 latency term catches what the queue misses — cold clusters after a rebalance make every request
 slower at the same concurrency. Both parts are exported too, so a dashboard shows which one drives.
 
+When vLLM does all the math (a scorer with ``--engine vllm``) the queue that matters is vLLM's: the
+sidecar admits many recommendations at once and vLLM schedules their candidates. The queue term is
+then the larger of the sidecar's and ``(vLLM running + waiting sequences) / vLLM's max_num_seqs``, as
+the sidecar last read them from vLLM's own ``/metrics`` (:meth:`PressureTracker.engine_queue`).
+
 Pure and thread-safe (requests finish on worker threads, scrapes read on the event loop); the TTFT
 window is bounded by ``max_samples`` so memory stays flat under any request rate.
 """
@@ -49,6 +54,12 @@ class PressureTracker:
         self._waiting = 0
         self._inflight = 0
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._engine: float | None = None
+
+    def engine_queue(self, running: float, waiting: float, capacity: int) -> None:
+        """vLLM's scheduler as last read: sequences running and waiting, of ``capacity`` it batches at once."""
+        with self._lock:
+            self._engine = (running + waiting) / max(1, capacity)
 
     def arrived(self) -> None:
         """A request was admitted and waits for compute."""
@@ -78,8 +89,9 @@ class PressureTracker:
         with self._lock:
             while self._ttfts and now - self._ttfts[0][0] > self.window_seconds:
                 self._ttfts.popleft()
-            waiting, inflight = self._waiting, self._inflight
+            waiting, inflight, engine = self._waiting, self._inflight, self._engine
             recent = sorted(s for _, s in self._ttfts)
         p90 = recent[max(0, math.ceil(0.9 * len(recent)) - 1)] if recent else 0.0  # nearest rank
-        return PressureReading(waiting, inflight, p90, (waiting + inflight) / self.max_concurrency,
+        queue = (waiting + inflight) / self.max_concurrency
+        return PressureReading(waiting, inflight, p90, queue if engine is None else max(queue, engine),
                                p90 / self.ttft_target_seconds)

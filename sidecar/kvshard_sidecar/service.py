@@ -173,6 +173,10 @@ class SidecarService:
                                          or now - self.loaded_at < self.settings.blend_wait_seconds)
 
     @property
+    def vllm_client(self) -> VllmClient | None:
+        return self._vllm
+
+    @property
     def identity(self) -> ModelIdentity:
         """The identity blocks are keyed by: the model's, with the prompt template in use."""
         assert self._identity is not None and self._builder is not None, "load() first"

@@ -51,6 +51,8 @@ class SidecarSettings:
     vllm_concurrency: int = setting(8, "requests admitted at once when vLLM computes (a scorer model with --engine "
                                     "vllm: the sidecar runs no forward and vLLM batches across requests); size it so "
                                     "this many recommendations' candidates fit vLLM's --max-num-seqs")
+    vllm_max_num_seqs: int = setting(64, "vLLM's --max-num-seqs when it computes: the pressure gauge's queue term "
+                                     "is then (vLLM's running + waiting sequences) / this, read from vLLM's /metrics")
     ttft_target_seconds: float = setting(2.0, "TTFT the pod is sized for: the latency half of the pressure gauge "
                                          "the autoscaler scales on is TTFT p90 / this")
     pressure_window_seconds: float = setting(60.0, "window of the TTFT p90 in the pressure gauge")
@@ -101,7 +103,8 @@ class SidecarSettings:
         for name in ("memory_bytes", "disk_bytes", "max_queue", "max_prompt_tokens", "blend_wait_seconds"):
             if getattr(self, name) < 0:
                 raise settings_lib.SettingsError(f"{name} must be >= 0")
-        for name in ("max_concurrency", "vllm_concurrency", "max_candidates", "max_new_tokens", "port"):
+        for name in ("max_concurrency", "vllm_concurrency", "vllm_max_num_seqs", "max_candidates", "max_new_tokens",
+                     "port"):
             if getattr(self, name) < 1:
                 raise settings_lib.SettingsError(f"{name} must be >= 1")
         if not 0.0 <= self.ratio <= 1.0:

@@ -190,15 +190,26 @@ class VllmClient:
 
     def prompt_tokens_by_source(self) -> dict[str, float]:
         """vLLM's ``vllm:prompt_tokens_by_source_total`` (local_compute / local_cache_hit / external…)."""
-        connection = self._connection()
-        try:
-            connection.request("GET", f"{self.url.path}/metrics")
-            text = connection.getresponse().read().decode()
-        finally:
-            connection.close()
         totals: dict[str, float] = {}
-        for line in text.splitlines():
+        for line in self._metrics().splitlines():
             if line.startswith("vllm:prompt_tokens_by_source_total{"):
                 source = line.split('source="', 1)[1].split('"', 1)[0]
                 totals[source] = totals.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
         return totals
+
+    def scheduler_queue(self) -> tuple[float, float]:
+        """Sequences vLLM is running and has waiting (``vllm:num_requests_running`` / ``_waiting``)."""
+        found = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+        for line in self._metrics().splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in found:
+                found[name] += float(line.rsplit(" ", 1)[1])
+        return found["vllm:num_requests_running"], found["vllm:num_requests_waiting"]
+
+    def _metrics(self) -> str:
+        connection = self._connection()
+        try:
+            connection.request("GET", f"{self.url.path}/metrics")
+            return connection.getresponse().read().decode()
+        finally:
+            connection.close()

@@ -193,6 +193,7 @@ def test_a_block_trained_scorer_is_computed_by_vllm_from_the_pods_block_store(
     mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (vllm, sidecar)}
     assert mounts["vllm"]["blocks"] == mounts["sidecar"]["blocks"] and block_dir.startswith(mounts["vllm"]["blocks"])
     assert sidecar_env["KVSHARD_SIDECAR_VLLM_CONCURRENCY"] == "8"
+    assert sidecar_env["KVSHARD_SIDECAR_VLLM_MAX_NUM_SEQS"] == "256"  # its pressure reads vLLM's queue against it
     default = container(engine_pod(rendered["default"]), "vllm")
     assert "--no-enable-prefix-caching" in default["args"] and "blocks" not in {
         m["name"] for m in default["volumeMounts"]}

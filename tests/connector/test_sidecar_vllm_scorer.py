@@ -169,6 +169,14 @@ def test_the_sidecar_holds_no_weights(answered: list[tuple[Any, Any]], scorer_cl
     assert rss < SIDECAR_RSS_LIMIT_BYTES
 
 
+def test_the_pressure_gauge_reads_vllms_queue(answered: list[tuple[Any, Any]], scorer_cluster: dict[str, Any]) -> None:
+    with urllib.request.urlopen(f"{scorer_cluster['with_vllm']}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    assert "kvshard_sidecar_pressure{" in text
+    log = (scorer_cluster["work"] / "with-vllm" / "sidecar.log").read_text()
+    assert "cannot read vLLM's queue" not in log
+
+
 def test_item_blocks_vllm_stored_equal_the_engines(answered: list[tuple[Any, Any]],
                                                    scorer_cluster: dict[str, Any]) -> None:
     if scorer_cluster["scorer"] != "late":

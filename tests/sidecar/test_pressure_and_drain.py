@@ -41,6 +41,19 @@ def test_pressure_is_the_larger_of_queue_and_latency() -> None:
     assert (reading.waiting, reading.inflight, reading.pressure) == (0, 0, 0.0)
 
 
+def test_when_vllm_computes_its_queue_is_the_pods_queue() -> None:
+    """The sidecar admits many recommendations at once and vLLM schedules their candidates: a full vLLM
+    is pressure even while the sidecar's own admission is far from full."""
+    tracker = PressureTracker(8, 1.0, 10.0, clock=Clock())
+    tracker.arrived()
+    tracker.started()
+    assert tracker.read().queue == 1 / 8
+    tracker.engine_queue(running=64, waiting=32, capacity=64)  # vLLM's batch full, half a batch waiting
+    assert tracker.read().queue == tracker.read().pressure == 1.5
+    tracker.engine_queue(running=0, waiting=0, capacity=64)
+    assert tracker.read().queue == 1 / 8  # the sidecar's own term still counts
+
+
 def test_ttft_window_memory_is_bounded() -> None:
     tracker = PressureTracker(1, 1.0, 1e9, max_samples=16)
     for i in range(1000):
