@@ -40,6 +40,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "on (sampleRate 5 %) vs off in alternating blocks of the same trace, shadow checks and their agreement"),
     "peer": ("kvshard_bench.peer", "block fetch from a real peer sidecar over loopback vs a local disk read (MB/s)"),
     "vllm": ("kvshard_bench.vllm", "TTFT: vLLM + KvshardConnector vs the embedded engine vs vLLM with prefix caching"),
+    "load": ("kvshard_bench.load",
+             "1/2/4/8 recommendations in flight through the router: late scorer on vLLM + connector vs the embedded "
+             "engine vs the isolated scorer on plain vLLM (p50/p99, recs/s, tokens, RSS, agreement, HR@1)"),
     "routing": ("kvshard_bench.routing",
                 "routing policies on a MovieLens trace: hit ratio, imbalance, p99, decision time"),
     "recommender": ("kvshard_bench.recommender",
@@ -126,9 +129,16 @@ def _add_demo_command(sub: Any) -> None:
         "write summary.txt, summary.json, requests.jsonl, placement.png, ramp.json and ramp.png. (The single-process "
         "demo is `kvshard sidecar demo`.)",
     )
-    demo.add_argument("--pods", type=int, default=3, help="sidecar pods (default: %(default)s)")
+    demo.add_argument("--pods", type=int, default=None,
+                      help="sidecar pods (default: 3; 2 with --engine vllm, whose pods each run a vLLM)")
     demo.add_argument("--model", default=MEASURED_MODEL, metavar="finetuned|base|scorer|late|PATH",
                       help=f"model the pods serve: {MODEL_HELP} (default: %(default)s)")
+    demo.add_argument("--engine", choices=("embedded", "vllm"), default=None,
+                      help="who computes in each pod: the sidecar's blend engine (embedded), or each pod's own "
+                           "vLLM server with kvshard's KV connector (vllm: scorer models only, --model late or "
+                           "scorer; 2 pods by default, ~4 GiB and a 60-90 s start per vLLM; agreement is then "
+                           "measured against full prefill computed in the demo's process) [env "
+                           "KVSHARD_LOCAL_ENGINE; default: embedded]")
     demo.add_argument("--requests", type=int, default=160,
                       help="requests to replay; the burst runs longer if the rebalance is late (default: %(default)s)")
     demo.add_argument("--users", type=int, default=32, help="MovieLens users sampled (default: %(default)s)")
@@ -198,6 +208,13 @@ def _add_component_commands(sub: Any) -> None:
         verb="serve", verb_help="serve /v1/recommend, peer block fetch, /metrics and health checks", env="SIDECAR",
         arguments="kvshard_sidecar.settings", handler=("kvshard_sidecar.main", "serve"))
     _add_sidecar_demo_command(sidecar)
+    vllm = sidecar.add_parser(
+        "vllm", help="become the pod's vLLM server for a scorer model, with kvshard's connector on the block store",
+        description="Exec vLLM's OpenAI server (module form) for a block-trained scorer: prefix cache on, "
+        "KvshardConnector loading item blocks from and storing what vLLM computes into --block-dir, the "
+        "sidecar's disk tier. Pair it with `kvshard sidecar serve --engine vllm --disk-dir <the same folder>`.")
+    importlib.import_module("kvshard_sidecar.main").add_vllm_arguments(vllm)
+    vllm.set_defaults(handler=_lazy("kvshard_sidecar.main", "vllm"))
     _add_component(
         sub, "router", "the stateless request router in front of the pods",
         "The kvshard router: follows placement in etcd and sends each request to the pod holding most of its blocks.",

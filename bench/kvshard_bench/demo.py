@@ -22,6 +22,14 @@ autoscaling rules' minimum (two pods), the chart's autoscaler runs against the l
 through the router rises until it adds a pod, then falls until it removes one; ``ramp.json`` and
 ``ramp.png`` hold its timeline, the summary its decisions, moved clusters and hit ratios.
 
+``--engine vllm`` (or ``KVSHARD_LOCAL_ENGINE=vllm``) runs every pod with its own vLLM server, which
+computes what no block holds (:class:`~kvshard.local.settings.LocalClusterSettings`, ``engine``). Those
+sidecars hold no weights, so they cannot compute the full-prefill reference: the demo computes it
+itself, in this process, with the blend engine (:mod:`demo_reference`) — the agreement then compares
+what vLLM served with an exact full prefill that shares nothing with vLLM. On a small CPU box the vLLM
+defaults are smaller (:data:`VLLM_DEFAULTS`: two pods), and the ramp's third pod starts its vLLM while
+the load runs; it takes traffic only once warm, as every new pod does.
+
 Before the replay the demo sets a fidelity target on its CacheShard (``spec.fidelity``,
 ``--fidelity-target`` 90 % by default, 0: none): the sidecars shadow-check a share of the requests and
 the operator moves the recompute ratio to meet the target; :mod:`demo_fidelity` reports its decisions.
@@ -35,10 +43,11 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import aiohttp
 
@@ -48,6 +57,7 @@ from kvshard.paths import cache_dir
 from kvshard.placement_schema import Placement
 from kvshard_bench import demo_fidelity, demo_ramp
 from kvshard_bench import demo_report as report
+from kvshard_bench.demo_reference import FullPrefillReference
 from kvshard_bench.demo_trace import DemoRequest, DemoTrace, DemoTraceSettings, ItemSpace, items_in, pick_hot_clusters
 from kvshard_bench.demo_watch import PlacementWatch
 
@@ -55,12 +65,20 @@ log = logging.getLogger(__name__)
 
 HOT_SHARE = 0.7
 """Share of burst-phase requests whose candidates come from the hot clusters."""
+ENGINES = ("embedded", "vllm")
+DEFAULT_PODS = 3
+VLLM_DEFAULTS: dict[str, Any] = {"pods": 2}
+"""What ``--engine vllm`` changes when ``--pods`` is not given: two pods. Each pod's vLLM holds ~4 GiB and
+wants a core to answer in seconds, and the ramp adds a third pod with its own vLLM (measured on a
+2-core, 24 GiB machine: two vLLMs start together in ~80 s)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoSettings:
-    pods: int = 3
+    pods: int = DEFAULT_PODS
     model: str = MEASURED_MODEL
+    engine: Literal["embedded", "vllm"] = "embedded"
+    """Who computes in the pods: the sidecars' blend engine, or each pod's own vLLM (``vllm``)."""
     requests: int = 160
     users: int = 32
     out: Path | None = None
@@ -97,11 +115,19 @@ class DemoSettings:
 
 
 def settings_from(args: argparse.Namespace) -> DemoSettings:
-    """The settings from ``kvshard demo``'s flags (defined in ``kvshard/cli.py``)."""
+    """The settings from ``kvshard demo``'s flags (defined in ``kvshard/cli.py``). ``--engine`` falls back to
+    ``KVSHARD_LOCAL_ENGINE`` (as ``kvshard up``'s does), and ``--pods`` left unset to the engine's default."""
+    engine = getattr(args, "engine", None) or os.environ.get("KVSHARD_LOCAL_ENGINE") or "embedded"
+    if engine not in ENGINES:
+        raise SystemExit(f"kvshard demo: --engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if getattr(args, "pods", None) is None:
+        args.pods = VLLM_DEFAULTS["pods"] if engine == "vllm" else DEFAULT_PODS
     for name in ("pods", "requests", "users", "concurrency"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvshard demo: --{name} must be at least 1")
-    settings = DemoSettings(pods=args.pods, model=args.model, requests=args.requests, users=args.users, out=args.out,
+    settings = DemoSettings(pods=args.pods, model=args.model, engine=cast(Literal["embedded", "vllm"], engine),
+                            requests=args.requests,
+                            users=args.users, out=args.out,
                             keep_running=args.keep_running, concurrency=args.concurrency, pairs=max(0, args.pairs),
                             burst_timeout_s=args.burst_timeout, seed=args.seed,
                             fidelity_target=args.fidelity_target, fidelity_sample_rate=args.fidelity_sample_rate,
@@ -125,10 +151,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvshard demo: output folder {out}", flush=True)
     started = time.monotonic()
     dataset = load_dataset("movielens-100k")
-    cluster_settings = LocalClusterSettings(pods=settings.pods, model=settings.model, dir=out / "cluster")
     try:
-        with LocalCluster(cluster_settings) as cluster:
-            print(f"local cluster: {settings.pods} pods, router {cluster.router_url}, "
+        cluster_settings = LocalClusterSettings(pods=settings.pods, model=settings.model, dir=out / "cluster",
+                                                engine=settings.engine)
+        cluster = LocalCluster(cluster_settings)
+    except ValueError as exc:  # e.g. --engine vllm with a model that is not a scorer
+        print(f"kvshard demo: {exc}", flush=True)
+        return 2
+    try:
+        with cluster:
+            engine = ", each with its own vLLM" if settings.engine == "vllm" else ""
+            print(f"local cluster: {settings.pods} pods{engine}, router {cluster.router_url}, "
                   f"Prometheus {cluster.prometheus_url}, logs in {cluster.logs_dir}", flush=True)
             cluster.wait_ready(cluster_settings.start_timeout_seconds)
             print(f"CacheShard {cluster.namespace}/{cluster.name} is Ready after {time.monotonic() - started:.0f} s",
@@ -169,7 +202,12 @@ def _replay_and_report(cluster: Any, dataset: Dataset, settings: DemoSettings, s
                 time.sleep(3600)
         except KeyboardInterrupt:
             print("stopping the local cluster", flush=True)
-    return 0 if summary["ok"] else 1
+    failed = summary["errors"] + int((ramp or {}).get("failed") or 0)
+    if failed or not summary["ok"]:
+        print(f"kvshard demo: {failed} requests failed ({summary['errors']} in the replay, "
+              f"{(ramp or {}).get('failed') or 0} in the ramp)", flush=True)
+        return 1
+    return 0
 
 
 def _ramp(cluster: Any, trace: DemoTrace | None, settings: DemoSettings) -> tuple[dict[str, Any], list[Path]]:
@@ -217,6 +255,10 @@ class Replay:
         self.records: list[report.Record] = []
         self.requests: dict[int, DemoRequest] = {}
         self.notes: dict[str, Any] = {"model": settings.model}
+        if settings.engine == "vllm":
+            self.notes["engine"] = ("vllm: each pod's own vLLM computes what no block holds; the full-prefill "
+                                    "reference is computed in the demo's process with the blend engine "
+                                    "(the pods' sidecars hold no weights)")
 
     # ---------------------------------------------------------------------------------- the run
 
@@ -369,20 +411,31 @@ class Replay:
         self.records.append(record)
 
     async def _pairs(self) -> list[report.PrefillPair]:
-        """The same requests, one at a time, to the same sidecar: blended, then full prefill (r = 1)."""
+        """The same requests, one at a time, to the same sidecar: blended, then full prefill (r = 1) — asked of
+        that sidecar, or with ``--engine vllm`` (whose sidecars have no engine) computed here
+        (:class:`~kvshard_bench.demo_reference.FullPrefillReference`)."""
         ok = [r for r in self.records if r.ok and r.pod in self.cluster.sidecar_urls]
         if not ok or not self.settings.pairs:
             return []
         step = max(1, len(ok) // self.settings.pairs)
         chosen = ok[::step][: self.settings.pairs]
-        print(f"re-sending {len(chosen)} requests to their sidecars: blended, then full prefill (blend.method=full)",
-              flush=True)
+        reference: FullPrefillReference | None = None
+        if self.settings.engine == "vllm":
+            print(f"re-sending {len(chosen)} requests to their sidecars (vLLM computes), and computing their full "
+                  "prefill in this process with the blend engine", flush=True)
+            reference = await asyncio.to_thread(FullPrefillReference, self.cluster.model_path, self.dataset)
+        else:
+            print(f"re-sending {len(chosen)} requests to their sidecars: blended, then full prefill "
+                  "(blend.method=full)", flush=True)
         pairs = []
         for record in chosen:
             request = self.requests[record.index]
             url = f"{self.cluster.sidecar_urls[record.pod]}/v1/recommend"
             blended = await self._direct(url, request.body())
-            full = await self._direct(url, request.body(blend={"method": "full"}))
+            if reference is not None:
+                full: dict[str, Any] | None = await asyncio.to_thread(reference.answer, request.body())
+            else:
+                full = await self._direct(url, request.body(blend={"method": "full"}))
             if blended is None or full is None:
                 continue
             assert record.pod is not None

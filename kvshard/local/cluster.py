@@ -2,8 +2,9 @@
 
 The parts are the real ones, started as processes through the ``kvshard`` CLI exactly as the
 chart starts them in pods — etcd, a Kubernetes API (:mod:`kvshard.local.emulator`, which ``kubectl`` talks to),
-the operator, N sidecars with the embedded engine, Prometheus and the router — so what works here
-works for the same reasons in a cluster. Only the kubelet is ours (:mod:`kvshard.local.kubelet`:
+the operator, N sidecars with the embedded engine (or, ``engine: vllm``, each with its own vLLM server:
+:meth:`LocalCluster._vllm`), Prometheus and the router — so what works here works for the same reasons
+in a cluster. Only the kubelet is ours (:mod:`kvshard.local.kubelet`:
 sidecar processes as ready/not-ready pods, crashed ones restarted), and the Job controller
 (:mod:`kvshard.local.job_controller`: the operator's embedding Jobs, one process per chunk).
 
@@ -27,6 +28,7 @@ import asyncio
 import base64
 import concurrent.futures
 import dataclasses
+import importlib.util
 import logging
 import os
 import secrets
@@ -43,11 +45,12 @@ import yaml
 
 from kvshard import etcd_store
 from kvshard import placement_schema as ps
+from kvshard import settings as settings_lib
 from kvshard.certificates import EtcdCertificates
 from kvshard.etcd_tls import EtcdTLS
 from kvshard.local import job_controller, manifests
 from kvshard.local.kubeapi import CACHESHARDS, KubeApi, condition
-from kvshard.local.kubelet import Kubelet, PodProcess
+from kvshard.local.kubelet import Kubelet, PodContainers, PodProcess
 from kvshard.local.run_folder import (
     ProcessInfo,
     RunFolderLock,
@@ -56,9 +59,9 @@ from kvshard.local.run_folder import (
 )
 from kvshard.local.scaling import LocalAutoscaler, ScaleChange, local_rules, scale_pods
 from kvshard.local.settings import LocalClusterSettings
-from kvshard.models import model_blend, model_prompt, prompt_for_model, resolve_model
+from kvshard.models import model_blend, model_prompt, model_scorer, prompt_for_model, resolve_model
 from kvshard.processes import ManagedProcess, ProcessStartError, http_ok
-from kvshard.testing_servers import EtcdServer, PrometheusServer, free_ports
+from kvshard.testing_servers import EtcdServer, PrometheusServer, free_port, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +69,9 @@ HOST = "127.0.0.1"
 ETCD_TLS_SECRET = "kvshard-etcd-client"
 """The Secret (``ca.crt``, ``tls.crt``, ``tls.key``) the local CacheShard's ``spec.etcd.tls`` names."""
 SECRETS = "/api/v1/namespaces/{ns}/secrets"
-
-
+VLLM_KV_CACHE_GIB = "1"
+"""``VLLM_CPU_KVCACHE_SPACE`` of each pod's vLLM: a recommendation's K candidates at a few hundred tokens
+each fit many times over, and N pods' vLLMs must fit one small machine."""
 class ClusterStartError(RuntimeError):
     """A part of the cluster did not come up; the message names it and carries its log's tail."""
 
@@ -100,16 +104,20 @@ class LocalCluster:
         self._manifest = manifests.load_cacheshard(self.settings.cacheshard)
         self._prompt = manifests.load_prompt(self.settings.prompt) if self.settings.prompt else None
         self._blend: dict[str, object] = {}
+        self.model_path = resolve_model(self.settings.model)
+        if self.settings.engine == "vllm":
+            self._check_vllm()
         if self._generated:  # the CacheShard it writes asks the model as it was trained (e.g. labelPosition)
-            model = resolve_model(self.settings.model)
+            model = self.model_path
             self._prompt = prompt_for_model(self._prompt, model_prompt(model))[0] or None
             self._blend = model_blend(model)  # and blends it as it calls for (a late scorer: none)
         self.name = str(self._manifest["metadata"]["name"])
         self.pod_names = [f"engine-{i}" for i in range(self.settings.pods)]
         # every port of the cluster in one call, etcd's and Prometheus' too: ports chosen in separate calls
         # may come back equal (seen: the Kubernetes API failing with "Address already in use")
+        vllms = [f"{pod}-vllm" for pod in self.pod_names] if self.settings.engine == "vllm" else []
         roles = ("kube", "operator_metrics", "operator_health", "router", "etcd_client", "etcd_peer", "prometheus",
-                 *self.pod_names)
+                 *self.pod_names, *vllms)
         self._ports = dict(zip(roles, free_ports(len(roles)), strict=True))
         self.kube_url = f"http://{HOST}:{self._ports['kube']}"
         self.operator_metrics_url = f"http://{HOST}:{self._ports['operator_metrics']}/metrics"
@@ -178,7 +186,8 @@ class LocalCluster:
                                                 "--liveness-endpoint", self.operator_health_url),
                                ready_url=self.operator_health_url, env=self._operator_env(), wait=False)
 
-        log.info("starting %d sidecars", self.settings.pods)
+        log.info("starting %d sidecars%s", self.settings.pods,
+                 ", each with its own vLLM" if self.settings.engine == "vllm" else "")
         token_file = self.peer_token_file
         token_file.write_text(secrets.token_hex(16))
         token_file.chmod(0o600)
@@ -232,7 +241,7 @@ class LocalCluster:
         self._processes = {}
         if self._kubelet is not None:
             self._kubelet.stop()  # first, or it would restart the sidecars we stop
-            processes += [(pod.name, pod.process) for pod in self._kubelet.pods.values()]
+            processes += [(pod.name, pod.process) for pod in self._kubelet.pods.values()]  # a pod's vLLM too
             self._kubelet = None
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(processes))) as pool:
             for future in [pool.submit(p.stop, 10.0) for name, p in processes if name != "kube-api"]:
@@ -347,7 +356,8 @@ class LocalCluster:
         return condition(obj, "Ready").get("status") == "True"
 
     def kill_pod(self, name: str) -> None:
-        """SIGKILL the pod's sidecar (a crash); the kubelet marks it not ready and restarts it."""
+        """SIGKILL the pod's sidecar, and its vLLM with ``engine: vllm`` (a crash of the pod); the kubelet
+        marks it not ready and restarts it (a vLLM's restart takes its start time again)."""
         if self._kubelet is None:
             raise RuntimeError("the cluster is not running")
         if name not in self._kubelet.pods:
@@ -419,6 +429,10 @@ class LocalCluster:
         if self._kubelet is not None:
             for pod in self._kubelet.pods.values():
                 rows.append((pod.name, pod.process.pid, pod.url, pod.process.log_path, True))
+                if isinstance(pod.process, PodContainers):  # its vLLM: `kvshard down` must find it too
+                    for companion in pod.process.companions:
+                        rows.append((f"{pod.name}/vllm", companion.pid, companion.ready_url.rsplit("/", 1)[0],
+                                     companion.log_path, True))
         if self._prometheus is not None:
             rows.append(("prometheus", self._prometheus.pid, self._prometheus.url,
                          self.logs_dir / "prometheus.log", False))
@@ -465,7 +479,36 @@ class LocalCluster:
             **(job_controller.operator_env(self.run_dir / "embeddings") if self.settings.embedding_jobs else {}),
         }
 
+    def _check_vllm(self) -> None:
+        """Refuse ``engine: vllm`` where it cannot work, before anything starts."""
+        if model_scorer(self.model_path) == "answer":
+            raise settings_lib.SettingsError(
+                f"engine vllm serves scorer models only (--model late or scorer); {self.settings.model!r} "
+                f"({self.model_path.name}) answers at the answer position, whose blended cache the sidecar's own "
+                "engine must compute — the local cluster does not run that path with vLLM (use --engine embedded)")
+        if importlib.util.find_spec("vllm") is None:
+            raise settings_lib.SettingsError("engine vllm needs vLLM in this Python (the vllm extra: "
+                                             "pip install 'kvshard[vllm]')")
+
+    def _vllm(self, pod: str) -> ManagedProcess:
+        """The pod's vLLM container: the cluster's model on a free port, kvshard's connector loading from and
+        saving to the pod's disk tier (``block_dir``), its log in ``<run>/logs/<pod>-vllm.log``."""
+        port = self._ports.get(f"{pod}-vllm") or free_port()  # a pod added by scaling gets a fresh port
+        command = _cli("sidecar", "vllm", "--model", str(self.model_path), "--port", str(port),
+                       "--exchange-dir", str(self.exchange_dir(pod)), "--block-dir", str(self.pod_disk_dir(pod)))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": VLLM_KV_CACHE_GIB, "TOKENIZERS_PARALLELISM": "false"}
+        return ManagedProcess(command,
+                              self.logs_dir / f"{pod}-vllm.log", f"http://{HOST}:{port}/health", env=env,
+                              start_timeout=self.settings.start_timeout_seconds)
+
+    def exchange_dir(self, pod: str) -> Path:
+        """The KV exchange folder the pod's sidecar and vLLM share (``<run>/exchange/<pod>``; the connector
+        writes its stats there)."""
+        return self.run_dir / "exchange" / pod
+
     def _sidecar(self, pod: str, token_file: Path) -> ManagedProcess:
+        """The pod's sidecar process; with ``engine: vllm`` a :class:`PodContainers` that also runs the
+        pod's vLLM (started first, stopped and restarted with the sidecar, both probed for readiness)."""
         url = self.sidecar_urls[pod]
         threads = str(self.settings.threads)
         command = _cli("sidecar", "serve", "--host", HOST, "--port", url.rsplit(":", 1)[1], "--pod-name", pod,
@@ -480,6 +523,12 @@ class LocalCluster:
                "KVSHARD_SIDECAR_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
                "KVSHARD_SIDECAR_TTFT_TARGET_SECONDS": str(self.settings.ttft_target_seconds),
                "KVSHARD_SIDECAR_PRESSURE_WINDOW_SECONDS": str(self.settings.pressure_window_seconds)}
+        if self.settings.engine == "vllm":
+            vllm = self._vllm(pod)
+            command += ["--engine", "vllm", "--vllm-url", vllm.ready_url.rsplit("/", 1)[0],
+                        "--vllm-model", self.model_path.name, "--exchange-dir", str(self.exchange_dir(pod))]
+            return PodContainers(command, self.logs_dir / f"{pod}.log", url + "/readyz", companions=[vllm], env=env,
+                                 start_timeout=self.settings.start_timeout_seconds)
         return ManagedProcess(command, self.logs_dir / f"{pod}.log", url + "/readyz", env=env,
                               start_timeout=self.settings.start_timeout_seconds)
 

@@ -7,6 +7,10 @@ following the sidecar's ``/readyz`` (readiness probe), and a process that died s
 That is what makes ``kill_pod`` a faithful fault: the operator sees the pod go not-ready, moves
 its clusters, and sees it come back.
 
+A pod may hold more than the sidecar (:class:`PodContainers`: with ``--engine vllm``, the pod's own
+vLLM server): then its containers start, crash, restart and stop together with the pod, and it is
+ready only when every container answers its probe, as a multi-container pod is.
+
 It is a thread of the process that runs the cluster; all its I/O is blocking HTTP on loopback.
 """
 
@@ -16,7 +20,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from kvshard.local.kubeapi import PODS, KubeApi, KubeApiError, pod_status
 from kvshard.processes import ManagedProcess, http_ok
@@ -24,6 +29,72 @@ from kvshard.processes import ManagedProcess, http_ok
 log = logging.getLogger(__name__)
 
 ENGINE_LABELS: Mapping[str, str] = {"app.kubernetes.io/name": "kvshard-engine"}
+
+
+class PodContainers(ManagedProcess):
+    """A pod of several containers: the sidecar (this process) and ``companions`` (its vLLM).
+
+    Why one object: the kubelet, the scaler and the cluster's stop already treat a pod as one
+    :class:`ManagedProcess`; making the pod's other containers part of it means every path that starts,
+    kills, restarts or stops a pod (``kill_pod``, scale-in, ``stop()``, a crash restart) takes them along,
+    and none can leave a vLLM behind. Companions start first (the sidecar's requests need them) but
+    nobody waits on them here: the pod is *ready* (:meth:`ready`) once every container answers its probe.
+    A container that died is started again alone, as a kubelet restarts one container of a pod; what
+    its process group left (vLLM's engine core) is killed first."""
+
+    def __init__(self, command: list[str], log_path: Path, ready_url: str, *, companions: Sequence[ManagedProcess],
+                 env: Mapping[str, str] | None = None, start_timeout: float = 120.0) -> None:
+        super().__init__(command, log_path, ready_url, env=env, start_timeout=start_timeout)
+        self.companions = list(companions)
+
+    @property
+    def containers(self) -> list[ManagedProcess]:
+        """The companions and the sidecar (``self``), in start order."""
+        return [*self.companions, self]
+
+    @property
+    def running(self) -> bool:
+        return super().running and all(c.running for c in self.companions)
+
+    def start(self, wait: bool = True) -> None:
+        for companion in self.companions:
+            if not companion.running:
+                companion.stop(0.0)  # reap what a dead container's group left
+                companion.start(wait=False)
+        if not super().running:
+            super().stop(0.0)
+            super().start(wait=False)
+        if wait:
+            self.wait_ready()
+
+    def ready(self) -> bool:
+        """Every container answers its readiness probe (the sidecar's ``/readyz``, vLLM's ``/health``)."""
+        return all(http_ok(c.ready_url) for c in self.containers)
+
+    def wait_ready(self) -> None:
+        for companion in self.companions:
+            companion.wait_ready()
+        super().wait_ready()
+
+    def kill(self) -> None:
+        super().kill()
+        for companion in self.companions:
+            companion.kill()
+
+    def stop(self, grace: float = 10.0) -> None:
+        super().stop(grace)  # the sidecar first: it stops asking its vLLM
+        for companion in self.companions:
+            companion.stop(grace)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        tails = [super().log_tail(chars)]
+        tails += [f"--- {c.log_path.name} ---\n{c.log_tail(chars)}" for c in self.companions]
+        return "\n".join(tails)
+
+
+def probe(process: ManagedProcess) -> bool:
+    """The pod's readiness: every container's probe for a :class:`PodContainers`, else the sidecar's."""
+    return process.ready() if isinstance(process, PodContainers) else http_ok(process.ready_url)
 
 
 @dataclasses.dataclass
@@ -140,7 +211,7 @@ class Kubelet:
                 pod.process.start(wait=False)
                 running = True
                 log.info("pod %s: process restarted (pid %s)", pod.name, pod.process.pid)
-        pod.ready = running and http_ok(pod.process.ready_url)
+        pod.ready = running and probe(pod.process)
         if (pod.ready, pod.restarts) != pod.published:
             self._publish(pod, pod.ready, pod.restarts)
             log.info("pod %s: Ready=%s (restarts %d)", pod.name, pod.ready, pod.restarts)

@@ -3,6 +3,12 @@
 The defaults are sized for a laptop or a small CI box: three sidecars with one torch thread each
 (three sidecars on two cores fight for the CPU otherwise), a small memory tier, and a Prometheus
 that scrapes every two seconds so the rebalancer sees fresh rates within one interval.
+
+``engine``: who computes in the pods. ``embedded`` (default): each sidecar holds the model and runs
+the blend engine. ``vllm``: each pod also runs its own vLLM server (the pod's "vLLM container",
+:class:`kvshard.local.kubelet.PodContainers`) with kvshard's KV connector on the pod's block store, and
+its sidecar holds no weights — the production shape for a scorer model. A vLLM takes a minute or more
+to start on a small CPU box, so the start timeout's default grows with it (:data:`VLLM_START_TIMEOUT`).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from kvshard import settings as settings_lib
 from kvshard.models import DEFAULT_MODEL, MODEL_HELP
@@ -18,6 +25,11 @@ from kvshard.settings import setting
 
 ENV_PREFIX = "KVSHARD_LOCAL_"
 MiB = 1 << 20
+START_TIMEOUT = 300.0
+"""Default ``start_timeout_seconds``: sidecars that load a 135M model and warm their clusters."""
+VLLM_START_TIMEOUT = 900.0
+"""Default ``start_timeout_seconds`` with ``engine: vllm``: measured, one vLLM alone starts in 60–90 s on
+two cores (two started at once: ~80 s), and the pods' warm-up then goes through them."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,11 @@ class LocalClusterSettings:
     catalog_refresh_seconds: int = setting(10, "spec.catalog.refreshSeconds of the generated CacheShard: how often the "
                                            "operator re-reads a file catalog (the CRD allows 5 or more)")
     model: str = setting(DEFAULT_MODEL, f"model the sidecars serve: {MODEL_HELP}")
+    engine: Literal["embedded", "vllm"] = setting(
+        "embedded", "who computes in each pod: 'embedded' (the sidecar's blend engine) or 'vllm' (each pod also runs "
+        "its own vLLM server with kvshard's KV connector on the pod's block store; the sidecar holds no weights and "
+        "vLLM computes what no block holds). vllm needs a scorer model (--model late or scorer) and the vllm extra; "
+        "a vLLM takes 60-90 s to start on 2 cores, and each pod's vLLM holds ~4 GiB of memory (its KV cache 1 GiB)")
     namespace: str = setting("default", "namespace of the pods and the CacheShard")
     clusters_per_pod: int = setting(4, "item clusters per pod in the generated CacheShard")
     rebalance_interval_seconds: int = setting(15, "spec.rebalance.intervalSeconds of the generated CacheShard "
@@ -44,7 +61,9 @@ class LocalClusterSettings:
     threads: int = setting(1, "torch threads per sidecar (OMP_NUM_THREADS); keep pods × threads ≤ cores")
     router_policy: str = setting("affinity", "routing policy of the router")
     scrape_interval_seconds: float = setting(2.0, "Prometheus scrape interval")
-    start_timeout_seconds: float = setting(300.0, "how long to wait for the sidecars' models and for warm-up")
+    start_timeout_seconds: float = setting(START_TIMEOUT, "how long to wait for the sidecars' models and for warm-up "
+                                           f"(default {START_TIMEOUT:.0f} s; with engine vllm the default is "
+                                           f"{VLLM_START_TIMEOUT:.0f} s: every pod starts its own vLLM)")
     ttft_target_seconds: float = setting(10.0, "TTFT each sidecar is sized for (the latency half of its pressure "
                                          "gauge); CPU prefills are slow, so higher than the chart's")
     pressure_window_seconds: float = setting(15.0, "window of the sidecars' TTFT p90 in the pressure gauge")
@@ -71,6 +90,8 @@ class LocalClusterSettings:
         if min(self.ttft_target_seconds, self.pressure_window_seconds, self.autoscale_period_seconds) <= 0:
             raise settings_lib.SettingsError("ttft_target_seconds, pressure_window_seconds and "
                                              "autoscale_period_seconds must be > 0")
+        if self.engine == "vllm" and self.start_timeout_seconds == START_TIMEOUT:  # the default, not a choice
+            object.__setattr__(self, "start_timeout_seconds", VLLM_START_TIMEOUT)
         if self.scrape_interval_seconds <= 0 or self.start_timeout_seconds <= 0:
             raise settings_lib.SettingsError("scrape_interval_seconds and start_timeout_seconds must be > 0")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
@@ -38,3 +39,33 @@ def serve(args: argparse.Namespace) -> int:
     web.run_app(app, host=settings.host, port=settings.port, print=lambda line: log.info("%s", line),
                 access_log=None, shutdown_timeout=5)
     return 0
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kvshard sidecar vllm``: what differs between pods; the rest follows from the model."""
+    parser.add_argument("--model", required=True, help="model name (late, scorer, …) or Hugging Face folder")
+    parser.add_argument("--port", type=int, default=8000, help="vLLM's HTTP port (default: %(default)s)")
+    parser.add_argument("--served-model-name", default="", help="name vLLM serves (default: the folder's name)")
+    parser.add_argument("--block-dir", type=Path, required=True,
+                        help="the pod's disk tier (the sidecar's --disk-dir): the connector loads and stores "
+                             "blocks here")
+    parser.add_argument("--exchange-dir", type=Path, default=Path("/dev/shm/kvshard-exchange"),
+                        help="the KV exchange shared with the sidecar (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len (default: %(default)s)")
+
+
+def vllm(args: argparse.Namespace) -> int:
+    """Become the pod's vLLM server for a scorer model, with kvshard's connector reading the pod's block
+    store and the prefix cache on (:func:`~kvshard_sidecar.vllm_client.server_command`): one place that
+    knows the connector's configuration, for the local cluster as for a user's own pod."""
+    import os
+
+    from kvshard.models import resolve_model
+    from kvshard_sidecar.vllm_client import server_command
+
+    model = resolve_model(args.model)
+    command = server_command(sys.executable, model, args.port, exchange_dir=args.exchange_dir, prefix_caching=True,
+                             served_name=args.served_model_name or model.name, block_dir=args.block_dir,
+                             max_model_len=args.max_model_len)
+    log.info("exec %s", " ".join(command))
+    os.execv(command[0], command)  # the same pid and process group: whoever started us stops vLLM
