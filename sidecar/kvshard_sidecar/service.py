@@ -184,8 +184,11 @@ class SidecarService:
 
     def item_key(self, item_id: str) -> str:
         """The key item ``item_id``'s block is stored under: the prompt shape ``warm_unit`` uses, so the
-        keys match a request's exactly (pure: no weights needed)."""
+        keys match a request's exactly (pure: no weights needed). When vLLM computes, the item prefilled
+        alone, whatever the blend settings (nothing is blended on that path)."""
         builder = self.builder
+        if self._vllm_scorer is not None:
+            return self._vllm_scorer.item_key(builder.item_segment(item_id))
         return segment_keys(self.identity, Prompt.of([builder.system_segment, builder.item_segment(item_id)]),
                             self.blend_defaults)[1]
 
@@ -215,6 +218,8 @@ class SidecarService:
         self._builder, self._dataset = builder, dataset
         if self._engine is not None:
             self._engine.identity = self.identity
+        if self._vllm_scorer is not None:  # a template change changes every key
+            self._vllm_scorer.identity = self.identity
         old_items = old_builder.dataset.items
         keys: dict[str, str] = {}
         for item_id, item in items.items():
