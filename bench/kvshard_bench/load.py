@@ -83,6 +83,7 @@ from kvshard_bench.load_rows import (
     build_row,
     closed_loop,
     format_table,
+    overall_hr1,
     plot,
     ratios,
 )
@@ -418,8 +419,7 @@ def _report(rows: list[Row], json_path: Path | None, png_path: Path | None) -> N
     for mode in MODES:
         mine = [r for r in rows if r["mode"] == mode]
         if mine:
-            hits = sum(r["hr1"] * r["requests"] for r in mine) / sum(r["requests"] for r in mine)
-            print(f"  {mode:<17} {hits:.3f}  ({mine[0]['model']})")
+            print(f"  {mode:<17} {overall_hr1(mine):.3f}  ({mine[0]['model']})")
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(rows, indent=2) + "\n")

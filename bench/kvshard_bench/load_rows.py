@@ -274,7 +274,7 @@ def plot(rows: Sequence[Row], path: Path) -> None:
         mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: int(r["in_flight"]))
         if not mine:
             continue
-        label = f"{mode} (HR@1 {mine[0]['hr1']}, agreement {min(r['agreement'] for r in mine)})"
+        label = f"{mode} (HR@1 {overall_hr1(mine):.3f}, agreement {min(r['agreement'] for r in mine)})"
         levels = [r["in_flight"] for r in mine]
         left.plot(levels, [r["recs_per_s"] for r in mine], marker="o", label=label)
         right.plot(levels, [r["ttft_p99_ms"] for r in mine], marker="o", label=mode)
@@ -290,3 +290,8 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def overall_hr1(rows: Sequence[Row]) -> float:
+    """HR@1 over every request of ``rows`` (one mode's levels), each level weighted by its requests."""
+    return sum(float(r["hr1"]) * int(r["requests"]) for r in rows) / max(1, sum(int(r["requests"]) for r in rows))
