@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                 assert asking.readout is not None
                 path = VllmScorer(client, BlockStore(1 << 30, blocks, 1 << 34), loaded.identity,
                                   asking.readout.token, asking.readout.interaction)
-                for first, _ in pairs:  # each user's first request warms the item blocks and the history
+                for first, second in pairs:  # the blocks of both requests, as the embedded pass warms them;
+                    path.ensure(path.blocks_of(second))  # the first request also warms vLLM's prefix cache
                     path.score(first)
                 runs["vllm_connector"] = settled(lambda p: asking.computed_by_vllm(path, p))
             else:
@@ -209,8 +210,9 @@ candidate's index for a scorer)."""
 @dataclass(frozen=True)
 class Asking:
     """How this model is asked, by every mode alike: an answer-position model is one prompt whose first
-    token is the answer; a scorer (``scorer``, ``late``) is one request per candidate (``prefix + item +
-    " ["``, :mod:`kvshard_sidecar.vllm_scores`) whose best score is the answer — the sidecar's two paths."""
+    token is the answer; a scorer (``scorer``, ``late``) is one prompt per candidate, sent as one batch
+    (``prefix + item + " ["``, :mod:`kvshard_sidecar.vllm_scores`) whose best score is the answer — the sidecar's
+    two paths."""
 
     readout: Readout | None
     method: str
@@ -225,7 +227,7 @@ class Asking:
 
     @property
     def what(self) -> str:
-        return "first token" if self.readout is None else "chosen candidate (one vLLM request per candidate)"
+        return "first token" if self.readout is None else "chosen candidate (the K candidate prompts, one batch)"
 
     def prompt(self, built: RecommendationPrompt) -> Prompt:
         return built.prompt if self.readout is None else scoring_prompt(built)

@@ -29,7 +29,8 @@ Two variants, recorded by the merge as the model's scorer (:data:`kvshard.models
   nothing lost (``prefill_context`` ``history``).
 
 The blend engine serves both (``readout``: :class:`Readout`, :meth:`BlendEngine.blend`), the sidecar in
-rank mode, and through vLLM as one request per candidate carrying its blended KV.
+rank mode, and vLLM (:mod:`kvshard_sidecar.vllm_scores`: the K candidate prompts in one batch, item bodies
+loaded from stored blocks, no forward in the sidecar).
 Measured at issue 20's training budget (``kvshard model finetune --scorer isolated|late``): README, "Models".
 """
 

@@ -118,6 +118,15 @@ class VllmScorer:
         ``isolated``, whose items read the prefix."""
         return 0 if self.interaction is None else max(0, item_tokens - self.interaction)
 
+    def blocks_of(self, prompt: Prompt) -> dict[str, list[int]]:
+        """The blocks scoring ``prompt`` loads — its prefix and (``late``) its items' bodies — each key with
+        the tokens vLLM computes it from, alone."""
+        inputs = IsolatedInputs.of_prompt(prompt, self.interaction)
+        prefix_tokens = list(inputs.token_ids[: inputs.prefix])
+        return {self.prefix_key(prefix_tokens): prefix_tokens,
+                **{self.item_key(segment): list(segment.token_ids) for segment in prompt.segments
+                   if segment.kind is SegmentKind.ITEM and self.body_tokens(len(segment)) > 0}}
+
     def score(self, prompt: Prompt) -> VllmScores:
         inputs = IsolatedInputs.of_prompt(prompt, self.interaction)
         started = time.perf_counter()
@@ -126,8 +135,7 @@ class VllmScorer:
         prefix = BlockRows(self.prefix_key(prefix_tokens), len(prefix_tokens))
         bodies = {digest(segment.token_ids): BlockRows(self.item_key(segment), self.body_tokens(len(segment)))
                   for segment in items if self.body_tokens(len(segment)) > 0}
-        wanted = {prefix.key: prefix_tokens, **{self.item_key(segment): list(segment.token_ids)
-                                                for segment in items if self.body_tokens(len(segment)) > 0}}
+        wanted = self.blocks_of(prompt)
         warmed = self.ensure(wanted)
         blocks_s = time.perf_counter() - started
         plan = load_plan(len(prefix_tokens), prefix, bodies).as_params()
