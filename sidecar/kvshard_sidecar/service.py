@@ -13,10 +13,12 @@ blocks are computed on the request, stored like any other, and counted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import http.client
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -366,7 +368,8 @@ class SidecarService:
         vLLM), then the K candidate prompts in one batch, their item bodies loaded by the connector
         (:mod:`kvshard_sidecar.vllm_scores`). Exact whatever the blend settings: nothing is blended."""
         assert self._vllm_scorer is not None
-        scored = self._vllm_scorer.score(scoring_prompt(built))
+        with self._vllm_answers():
+            scored = self._vllm_scorer.score(scoring_prompt(built))
         extra = {"vllm_first_token_ms": round(scored.first_token_s * 1000, 3)}
         return scored, scored.scores, scored.ttft_s, extra
 
@@ -398,13 +401,23 @@ class SidecarService:
         self._exchange.write(tokens, result.kv.keys[:, :, :n], result.kv.values[:, :, :n])
         exchange_s = time.perf_counter() - started
         try:
-            completion = ask(tokens)
+            with self._vllm_answers():
+                completion = ask(tokens)
         finally:
             self._exchange.remove(tokens)  # the connector removes it after loading; this covers failures
         ttft_s = result.ttft_s + exchange_s + completion.first_token_s
         extra = {"exchange_ms": round(exchange_s * 1000, 3),
                  "vllm_first_token_ms": round(completion.first_token_s * 1000, 3)}
         return result, completion, ttft_s, extra
+
+    @contextlib.contextmanager
+    def _vllm_answers(self) -> Iterator[None]:
+        """vLLM down, restarting or refusing is the server's condition, not a crash: a JSON 503 naming it."""
+        try:
+            yield
+        except (OSError, http.client.HTTPException, RuntimeError) as error:  # VllmRequestError is a RuntimeError
+            raise RequestError("engine", f"vLLM at {self.settings.vllm_url} did not answer: {error}",
+                               status=503) from None
 
     def _record(self, result: Any, ttft_s: float) -> None:
         metrics, name = self.metrics, self.model_name

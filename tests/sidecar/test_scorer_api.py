@@ -79,3 +79,17 @@ def test_shadow_checks_compare_the_scores_with_full_prefill(sidecar: Sidecar, mo
     assert checked, "no shadow check ran"
     if model_scorer(resolve_model(model)) == "late":
         assert 'result="agree"' in checked and 'result="disagree"' not in checked
+
+
+def test_with_its_vllm_gone_a_scorer_sidecar_answers_503_and_keeps_serving(start_sidecar: SidecarFactory) -> None:
+    """A sidecar whose vLLM computes (``--engine vllm``) loads only the tokenizer, so it is ready without vLLM;
+    while vLLM is down (not started yet, restarting) a request gets a JSON 503 naming vLLM, not a 500."""
+    from kvshard.testing_servers import free_port
+
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    sidecar = start_sidecar("--model", "late", "--engine", "vllm", "--vllm-url", gone, name="vllm-gone")
+    for _ in range(2):
+        status, body = sidecar.json("POST", "/v1/recommend", REQUEST)
+        assert status == 503, body
+        assert body["error"]["field"] == "engine" and gone in body["error"]["message"] and "did not answer" in body["error"]["message"]
+    assert sidecar.json("GET", "/healthz")[0] == 200
