@@ -91,5 +91,6 @@ def test_with_its_vllm_gone_a_scorer_sidecar_answers_503_and_keeps_serving(start
     for _ in range(2):
         status, body = sidecar.json("POST", "/v1/recommend", REQUEST)
         assert status == 503, body
-        assert body["error"]["field"] == "engine" and gone in body["error"]["message"] and "did not answer" in body["error"]["message"]
+        message = body["error"]["message"]
+        assert body["error"]["field"] == "engine" and gone in message and "did not answer" in message
     assert sidecar.json("GET", "/healthz")[0] == 200
