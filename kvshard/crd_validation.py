@@ -1,7 +1,7 @@
 """Validate a CacheShard the way the API server would: the CRD's own schema plus its CEL rules.
 
 A real API server rejects bad CacheShards at ``kubectl apply``. The local cluster's API
-(:mod:`kvshard.local.apiserver`) does the same with this module, and the operator checks every
+(:mod:`kvshard_local.apiserver`) does the same with this module, and the operator checks every
 object again, since it should not trust that it runs behind a validating server (a CacheShard stored
 before a CRD upgrade tightened a rule is one way to meet an invalid one). So both check every object
 against the *same* ``openAPIV3Schema`` (with jsonschema) and evaluate the *same*

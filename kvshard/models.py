@@ -41,7 +41,7 @@ IDENTITY_FILE = "kvshard-identity.json"
 MERGE_RECORD = "kvshard-adapter.json"
 SCORERS = ("answer", "isolated", "late")
 """How a model ranks the candidates: by their label tokens at the answer position, or each one scored
-alone (:mod:`kvshard_sidecar.isolated_scorer`) — its item tokens reading the prefix (``isolated``) or
+alone (:mod:`kvshard_sidecar.engine.isolated_scorer`) — its item tokens reading the prefix (``isolated``) or
 only their item but for the last few (``late`` interaction: those readers and the label opening read the
 prefix and are recomputed when blended, the rest is what a cached item block holds). A merged model
 records the one it was trained for (and, for ``late``, how many readers: :func:`model_interaction`)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvshard.testing_servers import EtcdNotInstalledError, EtcdServer
+from kvshard_local.testing_servers import EtcdNotInstalledError, EtcdServer
 
 
 def _running_etcd() -> Iterator[EtcdServer]:
@@ -40,7 +40,7 @@ def etcd_server() -> Iterator[EtcdServer]:
 @pytest.fixture(scope="session")
 def smollm2() -> Iterator[Any]:
     """The prepared SmolLM2-135M-Instruct (``make test`` prepares it; see ``kvshard model prepare``)."""
-    from kvshard_sidecar.model import default_model_path, load_model
+    from kvshard_sidecar.engine.model import default_model_path, load_model
 
     if not (default_model_path() / "config.json").exists():
         pytest.fail(f"SmolLM2 is not prepared at {default_model_path()}: run `kvshard model prepare`")

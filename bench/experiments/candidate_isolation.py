@@ -43,8 +43,8 @@ from kvshard.models import model_template, resolve_model
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
 from kvshard.splits import UserSplit
 from kvshard_bench.recommender import Answers, format_table, permutations, sample_line
-from kvshard_sidecar.isolated_scorer import IsolatedInputs
-from kvshard_sidecar.model import load_model
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs
+from kvshard_sidecar.engine.model import load_model
 
 USERS = int(sys.argv[1]) if len(sys.argv) > 1 else 100
 PATH = Path(sys.argv[2]) if len(sys.argv) > 2 else resolve_model("finetuned")

@@ -14,8 +14,8 @@ import sys
 import time
 import tracemalloc
 
-from kvshard.testing_servers import EtcdServer
 from kvshard_bench.catalog import synthetic
+from kvshard_local.testing_servers import EtcdServer
 
 ITEMS = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
 

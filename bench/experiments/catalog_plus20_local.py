@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshard.datasets import load_dataset
-from kvshard.local import LocalCluster
+from kvshard_local import LocalCluster
 
 TITLES = [
     "Gattaca (1997), Drama, Sci-Fi, Thriller", "Boogie Nights (1997), Drama", "The Ice Storm (1997), Drama",

@@ -17,7 +17,8 @@ import sys
 from typing import Any
 
 from kvshard.cli import build_parser
-from kvshard_sidecar import finetune, finetune_settings
+from kvshard_training import finetune
+from kvshard_training import settings as finetune_settings
 
 _real_training = finetune.training_requests
 _real_validation = finetune.validation_requests

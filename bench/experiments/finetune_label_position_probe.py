@@ -40,7 +40,8 @@ import sys
 from finetune_copy_probe import with_target_in_history
 
 from kvshard.cli import build_parser
-from kvshard_sidecar import finetune, finetune_settings
+from kvshard_training import finetune
+from kvshard_training import settings as finetune_settings
 
 
 def main(argv: list[str]) -> int:

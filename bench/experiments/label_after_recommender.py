@@ -2,7 +2,7 @@
 item (``finetune_label_position_probe.py --label-position after``), base and fine-tuned side by side.
 
 The adapter is merged into a model folder as ``kvshard model prepare`` merges the shipped one
-(:func:`kvshard_sidecar.adapter_merge.merge_adapter`), and *both* models are asked with the
+(:func:`kvshard_training.merge.merge_adapter`), and *both* models are asked with the
 ``<item> [A]`` prompts the adapter was trained on (``labelPosition: after`` for every model; the bench
 by itself asks each model as its merge record says it was trained, and the base in ``A. <item>``)::
 
@@ -34,8 +34,8 @@ from pathlib import Path
 
 from kvshard import models
 from kvshard.cli import main as kvshard_main
-from kvshard_sidecar import adapter_merge
-from kvshard_sidecar.model import default_model_path
+from kvshard_sidecar.engine.model import default_model_path
+from kvshard_training import merge as adapter_merge
 
 
 def main(argv: list[str]) -> int:

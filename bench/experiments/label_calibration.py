@@ -37,7 +37,7 @@ from kvshard.ranking import QUALITY_METRICS, best_index, quality
 from kvshard.splits import UserSplit, validation_requests
 from kvshard_bench.recommender import permutations, summarize
 from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
-from kvshard_sidecar.model import load_model
+from kvshard_sidecar.engine.model import load_model
 
 USERS = int(sys.argv[1]) if len(sys.argv) > 1 else 100
 PRIOR_PROMPTS = int(sys.argv[2]) if len(sys.argv) > 2 else 100

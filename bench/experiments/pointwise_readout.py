@@ -34,9 +34,9 @@ from kvshard.models import model_template
 from kvshard.prompts import PromptBuilder, sample_requests
 from kvshard.splits import UserSplit
 from kvshard_bench.recommender import Answers, format_table, permutations, sample_line
-from kvshard_sidecar.finetune import answer_and_label_logits, label_positions
-from kvshard_sidecar.isolated_scorer import readout_id
-from kvshard_sidecar.model import load_model
+from kvshard_sidecar.engine.isolated_scorer import readout_id
+from kvshard_sidecar.engine.model import load_model
+from kvshard_training.finetune import answer_and_label_logits, label_positions
 
 PATH = Path(sys.argv[1])
 USERS = int(sys.argv[2]) if len(sys.argv) > 2 else 100

@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from kvshard.datasets import load_dataset
-from kvshard.local import LocalCluster, LocalClusterSettings
-from kvshard.local.scaling import scale_pods
 from kvshard_bench.demo_trace import DemoTrace, DemoTraceSettings, ItemSpace
+from kvshard_local import LocalCluster, LocalClusterSettings
+from kvshard_local.scaling import scale_pods
 
 
 def wait(fact: Callable[[], bool], timeout: float, what: str) -> None:

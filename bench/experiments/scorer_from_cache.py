@@ -33,8 +33,8 @@ from kvshard.prompts import PromptBuilder, sample_requests
 from kvshard.ranking import best_index, kendall_tau
 from kvshard.splits import UserSplit
 from kvshard_bench.recommender import Answers, format_table, sample_line
-from kvshard_sidecar.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
-from kvshard_sidecar.model import load_model
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
+from kvshard_sidecar.engine.model import load_model
 
 USERS = int(sys.argv[1]) if len(sys.argv) > 1 else 191
 PATH = Path(sys.argv[2]) if len(sys.argv) > 2 else resolve_model("scorer")

@@ -36,7 +36,7 @@ import numpy as np
 
 from kvshard import placement_schema as ps
 from kvshard.catalog_schema import Catalog, diff
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.testing_servers import EtcdServer
 from kvshard_operator import catalog_update as updates
 from kvshard_operator import placement
 

@@ -23,7 +23,7 @@ through the router rises until it adds a pod, then falls until it removes one; `
 ``ramp.png`` hold its timeline, the summary its decisions, moved clusters and hit ratios.
 
 ``--engine vllm`` (or ``KVSHARD_LOCAL_ENGINE=vllm``) runs every pod with its own vLLM server, which
-computes what no block holds (:class:`~kvshard.local.settings.LocalClusterSettings`, ``engine``). Those
+computes what no block holds (:class:`~kvshard_local.settings.LocalClusterSettings`, ``engine``). Those
 sidecars hold no weights, so they cannot compute the full-prefill reference: the demo computes it
 itself, in this process, with the blend engine (:mod:`demo_reference`) — the agreement then compares
 what vLLM served with an exact full prefill that shares nothing with vLLM. On a small CPU box the vLLM
@@ -143,7 +143,7 @@ def settings_from(args: argparse.Namespace) -> DemoSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvshard.local import ClusterAlreadyRunningError, ClusterStartError, LocalCluster, LocalClusterSettings
+    from kvshard_local import ClusterAlreadyRunningError, ClusterStartError, LocalCluster, LocalClusterSettings
 
     settings = settings_from(args)
     out = settings.out_dir
@@ -316,7 +316,7 @@ class Replay:
     async def _set_fidelity(self) -> None:
         """Set the demo's ``spec.fidelity`` on the CacheShard (a merge patch through the local Kubernetes
         API, as ``kubectl patch`` would); the operator publishes the sample rate with the blend in force."""
-        from kvshard.local.kubeapi import CACHESHARDS
+        from kvshard_local.kubeapi import CACHESHARDS
 
         spec = self.settings.fidelity_spec()
         if spec is None:

@@ -4,9 +4,9 @@ Why in the demo: the autoscaler is the one part whose effect shows only over tim
 while requests run, and what a user wants to see is that nothing failed, that the new pod served warm
 and how long that took, how many clusters moved, and what it did to hit ratio and locality. The phase
 scales the cluster to the autoscaling rules' minimum (two pods with the local rules), starts the
-cluster's autoscaler (:class:`~kvshard.local.scaling.LocalAutoscaler`, the chart's KEDA query and HPA
-rule) and drives :class:`~kvshard.local.ramp.LoadRamp` with MovieLens session requests from the
-demo's trace; the load levels come from the pressure target (:func:`~kvshard.local.ramp.plan_ramp`).
+cluster's autoscaler (:class:`~kvshard_local.scaling.LocalAutoscaler`, the chart's KEDA query and HPA
+rule) and drives :class:`~kvshard_local.ramp.LoadRamp` with MovieLens session requests from the
+demo's trace; the load levels come from the pressure target (:func:`~kvshard_local.ramp.plan_ramp`).
 
 Here: running the phase, the document it writes (``ramp.json``: the timeline, decisions, segments,
 evaluations and every request), the summary's section of it (text and ``summary.json``) and the
@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvshard.local.ramp import RampResult
-from kvshard.local.ramp_timeline import STATES, summarize
+from kvshard_local.ramp import RampResult
+from kvshard_local.ramp_timeline import STATES, summarize
 
 TIMELINE_ROWS = 24
 """The summary's timeline shows about this many rows (ramp.json has every sample)."""
@@ -33,8 +33,8 @@ def run(cluster: Any, make_body: Callable[[], Mapping[str, Any]], timeout_s: flo
         progress: Callable[[str], None] = print, sample_every_s: float = 1.0) -> RampResult | str:
     """The ramp on a running local cluster (its own autoscaler if it runs one, else the local rules'
     for the ramp's length); a string says why it could not start."""
-    from kvshard.local.ramp import LoadRamp, plan_ramp
-    from kvshard.local.scaling import LocalAutoscaler, local_rules
+    from kvshard_local.ramp import LoadRamp, plan_ramp
+    from kvshard_local.scaling import LocalAutoscaler, local_rules
 
     autoscaler = cluster.autoscaler or LocalAutoscaler(cluster, local_rules(cluster.settings))
     rules = autoscaler.rules

@@ -28,8 +28,8 @@ class FullPrefillReference:
 
     def __init__(self, model: Path, dataset: Dataset) -> None:
         from kvshard_sidecar.engine.blend import BlendEngine
-        from kvshard_sidecar.isolated_scorer import Readout
-        from kvshard_sidecar.model import load_tokenizer
+        from kvshard_sidecar.engine.isolated_scorer import Readout
+        from kvshard_sidecar.engine.model import load_tokenizer
 
         tokenizer, _, _ = load_tokenizer(model)
         readout = Readout.for_model(tokenizer, model)
@@ -41,7 +41,7 @@ class FullPrefillReference:
 
     def answer(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """The full-prefill answer to one ``/v1/recommend`` body (blocking: run it in a thread)."""
-        from kvshard_sidecar.isolated_scorer import scoring_prompt
+        from kvshard_sidecar.engine.isolated_scorer import scoring_prompt
 
         request = RecommendationRequest(str(body["user_id"]), tuple(body["history"]), tuple(body["candidates"]))
         built = self.builder.build(request)

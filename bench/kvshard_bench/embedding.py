@@ -3,7 +3,7 @@
 
 Each row is the embedding Job the operator would create (:func:`kvshard_operator.embed_job.manifest`,
 its ``parallelism`` the row's worker count) run by the local cluster's Job runner
-(:class:`kvshard.local.jobs.IndexedJob`): one ``python -m kvshard_operator.embed_worker`` process per
+(:class:`kvshard_local.jobs.IndexedJob`): one ``python -m kvshard_operator.embed_worker`` process per
 chunk, with the pod's environment — ``JOB_COMPLETION_INDEX`` and the thread limits the manifest
 derives from the pod's CPU request (``--cpu``, default one core: BLAS and tokenizer threads = 1).
 The seconds run from the first pod's start to the last pod's exit, so a worker's start-up (Python,
@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from kvshard.datasets import DatasetError, load_dataset
-from kvshard.local.jobs import IndexedJob
 from kvshard_bench.tables import format_rows
+from kvshard_local.jobs import IndexedJob
 from kvshard_operator import embed_job, embedding
 from kvshard_operator.embed_chunks import ChunkStore
 from kvshard_operator.embed_worker import FINGERPRINT

@@ -48,9 +48,9 @@ from kvshard_bench.frontier import SWEEP_METHODS, SWEEP_RATIOS, format_sweep, pl
 from kvshard_bench.tables import format_rows
 from kvshard_sidecar.engine import BlendEngine, BlendResult, BlendSettings, MemoryBlockSource
 from kvshard_sidecar.engine.contexts import averaging_contexts
+from kvshard_sidecar.engine.isolated_scorer import Readout, prefill_context_for, scoring_prompt
 from kvshard_sidecar.engine.methods import method_settings as named_settings
 from kvshard_sidecar.engine.settings import PREFILL_CONTEXTS
-from kvshard_sidecar.isolated_scorer import Readout, prefill_context_for, scoring_prompt
 
 Row = dict[str, Any]
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.3)

@@ -58,7 +58,7 @@ Row = dict[str, Any]
 CHECKS = "kvshard_sidecar_fidelity_checks_total"
 ARMS = ("off", "on")
 SHADOW_MAX_AGE_S = 30.0
-"""``kvshard_sidecar.shadow.MAX_AGE_S``: a queued shadow check runs or is skipped within this long."""
+"""``kvshard_sidecar.serving.shadow.MAX_AGE_S``: a queued shadow check runs or is skipped within this long."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -297,8 +297,8 @@ def _wait(fact: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    from kvshard.local import LocalCluster
-    from kvshard.local.kubeapi import CACHESHARDS
+    from kvshard_local import LocalCluster
+    from kvshard_local.kubeapi import CACHESHARDS
 
     order = block_order(args.blocks)
     data = load_dataset("movielens-100k")

@@ -10,12 +10,12 @@ MovieLens trace in three modes, one after the other (2 cores: never two vLLM ser
   pod's block store as ``block_dir``) + a sidecar ``--engine vllm --vllm-concurrency 8`` serving the
   ``late`` scorer: the sidecar runs no forward, vLLM loads each item body from its stored block and
   computes only each candidate's last item tokens and label opening, the K candidates as one batch
-  (:class:`~kvshard_sidecar.vllm_scores.VllmScorer`).
+  (:class:`~kvshard_sidecar.vllm.scorer.VllmScorer`).
 * ``kvshard_embedded`` — a sidecar ``--engine embedded`` serving ``late`` with its default blend (late
   item blocks are exact: nothing to recompute but what reads the prefix).
 * ``vllm_apc`` — plain vLLM with automatic prefix caching and no connector, serving the isolated
   ``scorer``, asked the K candidate prompts of a recommendation in one batched completion
-  (:func:`~kvshard_sidecar.vllm_scores.score_causal`): what a team without kvshard would serve. There is
+  (:func:`~kvshard_sidecar.vllm.scorer.score_causal`): what a team without kvshard would serve. There is
   no sidecar: the client calls vLLM directly (no router hop either).
 
 Both sidecar modes are reached **through the router**: a real etcd, ``kvshard router serve`` following
@@ -70,7 +70,6 @@ from kvshard.placement_schema import Placement, WarmReport
 from kvshard.processes import ManagedProcess
 from kvshard.prompts import PromptBuilder, RecommendationRequest, sample_requests
 from kvshard.ranking import label_logprobs
-from kvshard.testing_servers import EtcdServer, free_port
 from kvshard_bench.load_rows import (
     MODES,
     RATIO_COLUMNS,
@@ -87,9 +86,10 @@ from kvshard_bench.load_rows import (
     plot,
     ratios,
 )
-from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout, prefill_context_for, scoring_prompt
-from kvshard_sidecar.vllm_client import VllmClient, server_command
-from kvshard_sidecar.vllm_scores import score_causal
+from kvshard_local.testing_servers import EtcdServer, free_port
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, Readout, prefill_context_for, scoring_prompt
+from kvshard_sidecar.vllm.client import VllmClient, server_command
+from kvshard_sidecar.vllm.scorer import score_causal
 
 SERVED_NAME = "kvshard-bench-load"
 SHARD = ("bench", "load")
@@ -170,8 +170,8 @@ class Reference:
 def references(model: Path, dataset: Dataset, trace: Trace) -> Reference:
     """Full prefill of ``model`` (the scorer's own computation) for every measured request, in this process."""
     from kvshard_sidecar.engine.blend import BlendEngine
+    from kvshard_sidecar.engine.model import load_model
     from kvshard_sidecar.engine.settings import BlendSettings
-    from kvshard_sidecar.model import load_model
 
     loaded = load_model(model)
     readout = Readout.for_model(loaded.tokenizer, model)
@@ -383,7 +383,7 @@ def _run_apc(stack: ExitStack, work: Path, args: argparse.Namespace, dataset: Da
     """Plain vLLM (prefix caching, no connector) serving the isolated scorer, asked by the client itself."""
     vllm = _vllm(stack, work, "vllm_apc", ref.model, args.kv_cache_gib, exchange_dir=None, prefix_caching=True)
     client = VllmClient(_url(vllm), SERVED_NAME)
-    from kvshard_sidecar.model import load_tokenizer
+    from kvshard_sidecar.engine.model import load_tokenizer
 
     tokenizer = load_tokenizer(ref.model)[0]
     builder = PromptBuilder(tokenizer, dataset, template=model_template(ref.model))

@@ -2,7 +2,7 @@
 
 A real ``kvshard sidecar serve`` process is started on a disk folder pre-filled with blocks shaped
 like SmolLM2's KV; this process then fetches them through the peer tier's own client
-(:class:`~kvshard_sidecar.peers.PeerFetcher`: HTTP GET, checksum verify, decode), side by side with a
+(:class:`~kvshard_sidecar.blockstore.peers.PeerFetcher`: HTTP GET, checksum verify, decode), side by side with a
 local disk-tier read of the same blocks. The sidecar need not finish loading its model: block
 serving does not wait for it, but the bench does, so the model load does not compete for the CPU.
 """
@@ -21,10 +21,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvshard.processes import ManagedProcess
-from kvshard.testing_servers import free_port
 from kvshard_bench.store import format_table, smollm2_block
+from kvshard_local.testing_servers import free_port
 from kvshard_sidecar.blockstore import DiskTier
-from kvshard_sidecar.peers import PeerFetcher, static_holders
+from kvshard_sidecar.blockstore.peers import PeerFetcher, static_holders
 
 Row = dict[str, object]
 TOKEN = "bench-peer-token"

@@ -8,7 +8,7 @@ never saw (:class:`kvshard.splits.UserSplit`) — and reports, per model:
 
 * ``hr1``, ``hr5``, ``ndcg10`` — ranking by the candidates' label logits at the answer position
   (:mod:`kvshard.ranking`) — or, for a model merged from a ``--scorer isolated`` adapter, by each
-  candidate's isolated score (:mod:`kvshard_sidecar.isolated_scorer`; the row's ``scorer``) —,
+  candidate's isolated score (:mod:`kvshard_sidecar.engine.isolated_scorer`; the row's ``scorer``) —,
   averaged over users and candidate permutations, with a 95 % bootstrap interval over users for HR@1,
   beside the random expectation;
 * ``position_consistency`` — share of users whose chosen candidate is the same item under every one
@@ -50,7 +50,7 @@ from kvshard.prompts import (
 from kvshard.ranking import QUALITY_METRICS, best_index, quality, random_quality
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
 from kvshard_bench.tables import format_cells
-from kvshard_sidecar.finetune_teacher import ItemKnnTeacher
+from kvshard_training.teacher import ItemKnnTeacher
 
 Row = dict[str, Any]
 TARGETS = {"hr1": 0.30, "position_consistency": 0.8, "max_label_share": 0.25}
@@ -144,7 +144,7 @@ def popularity_quality(dataset: Dataset, orders: Sequence[Sequence[Recommendatio
 
 def item_knn_quality(dataset: Dataset, split: UserSplit,
                      orders: Sequence[Sequence[RecommendationRequest]]) -> dict[str, float]:
-    """The same for item-kNN (:class:`~kvshard_sidecar.finetune_teacher.ItemKnnTeacher`, the fine-tuning
+    """The same for item-kNN (:class:`~kvshard_training.teacher.ItemKnnTeacher`, the fine-tuning
     teacher): cosine co-occurrence over the *training* users' interactions before their second-to-last,
     summed over the request's history. The collaborative-filtering baseline a language-model recommender
     trained on these users is measured against — no held-out user and no target is in its counts."""
@@ -211,11 +211,11 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
                    seed: int, progress: bool = True) -> Row:
     """Score every permutation of every request with the blend engine's full prefill — the label logits at
     the answer position, or for a model trained as an isolated scorer its per-candidate scores
-    (:mod:`kvshard_sidecar.isolated_scorer`, float32 head); one summary row."""
+    (:mod:`kvshard_sidecar.engine.isolated_scorer`, float32 head); one summary row."""
     from kvshard.models import model_scorer, model_template
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
-    from kvshard_sidecar.isolated_scorer import Readout, scoring_prompt
-    from kvshard_sidecar.model import load_model
+    from kvshard_sidecar.engine.isolated_scorer import Readout, scoring_prompt
+    from kvshard_sidecar.engine.model import load_model
 
     loaded = load_model(path)
     scorer = model_scorer(path)

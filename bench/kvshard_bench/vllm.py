@@ -11,7 +11,7 @@ All modes serve the same MovieLens prompts, measured in one run:
 * ``vllm_connector`` — an answer-position model: kvshard blends (blocks warm), writes the prompt KV to
   the exchange, vLLM loads it through the connector and computes only the last prompt token; TTFT =
   blend + exchange write + vLLM's first streamed token. A scorer: vLLM does all the math
-  (:class:`~kvshard_sidecar.vllm_scores.VllmScorer`): the K candidate prompts in one batch, item bodies
+  (:class:`~kvshard_sidecar.vllm.scorer.VllmScorer`): the K candidate prompts in one batch, item bodies
   loaded from the blocks vLLM stored when the user's first request warmed them, the prefix from vLLM's
   prefix cache; TTFT = block checks + that request.
 
@@ -58,18 +58,18 @@ from kvshard.processes import ManagedProcess
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest, sample_requests
 from kvshard.ranking import best_index
 from kvshard.segments import Prompt
-from kvshard.testing_servers import free_port
+from kvshard_local.testing_servers import free_port
 from kvshard_sidecar.blockstore import BlockStore
 from kvshard_sidecar.engine.blend import BlendEngine
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, Readout, prefill_context_for, scoring_prompt
 from kvshard_sidecar.engine.methods import METHODS, method_settings
+from kvshard_sidecar.engine.model import load_model
 from kvshard_sidecar.engine.results import BlendResult
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.engine.source import MemoryBlockSource
-from kvshard_sidecar.exchange import KVExchange
-from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout, prefill_context_for, scoring_prompt
-from kvshard_sidecar.model import load_model
-from kvshard_sidecar.vllm_client import VllmClient, server_command
-from kvshard_sidecar.vllm_scores import VllmScorer, score_causal
+from kvshard_sidecar.vllm.client import VllmClient, server_command
+from kvshard_sidecar.vllm.exchange import KVExchange
+from kvshard_sidecar.vllm.scorer import VllmScorer, score_causal
 
 Row = dict[str, object]
 SERVED_NAME = "kvshard-bench"
@@ -211,7 +211,7 @@ candidate's index for a scorer)."""
 class Asking:
     """How this model is asked, by every mode alike: an answer-position model is one prompt whose first
     token is the answer; a scorer (``scorer``, ``late``) is one prompt per candidate, sent as one batch
-    (``prefix + item + " ["``, :mod:`kvshard_sidecar.vllm_scores`) whose best score is the answer — the sidecar's
+    (``prefix + item + " ["``, :mod:`kvshard_sidecar.vllm.scorer`) whose best score is the answer — the sidecar's
     two paths."""
 
     readout: Readout | None

@@ -1,7 +1,7 @@
 """One embedding worker: ``python -m kvshard_operator.embed_worker --root R --plan P`` embeds the chunk
 at its Job index (``$JOB_COMPLETION_INDEX``, set by Kubernetes in an Indexed Job's pods) and exits.
 
-The same entry point runs in an embedding Job's pods and as a local process (``kvshard/local``), so
+The same entry point runs in an embedding Job's pods and as a local process (``local/kvshard_local``), so
 the local cluster exercises exactly the code a cluster runs. A retried index whose chunk is already
 written embeds nothing (:meth:`embed_chunks.ChunkStore.run_chunk`).
 """

@@ -21,8 +21,8 @@ from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
 from kvshard.segments import Prompt
 from kvshard_sidecar.blockstore import BlockStore
 from kvshard_sidecar.engine.blend import BlendEngine
+from kvshard_sidecar.engine.model import load_model, prepare_smollm2
 from kvshard_sidecar.engine.settings import BlendSettings
-from kvshard_sidecar.model import load_model, prepare_smollm2
 
 GiB = 1 << 30
 

@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvshard_sidecar.app import build_app
-    from kvshard_sidecar.service import SidecarService
+    from kvshard_sidecar.api.app import build_app
+    from kvshard_sidecar.serving.service import SidecarService
 
     try:
         settings = sidecar_settings.from_args(args)
@@ -56,12 +56,12 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
 
 def vllm(args: argparse.Namespace) -> int:
     """Become the pod's vLLM server for a scorer model, with kvshard's connector reading the pod's block
-    store and the prefix cache on (:func:`~kvshard_sidecar.vllm_client.server_command`): one place that
+    store and the prefix cache on (:func:`~kvshard_sidecar.vllm.client.server_command`): one place that
     knows the connector's configuration, for the local cluster as for a user's own pod."""
     import os
 
     from kvshard.models import resolve_model
-    from kvshard_sidecar.vllm_client import server_command
+    from kvshard_sidecar.vllm.client import server_command
 
     model = resolve_model(args.model)
     command = server_command(sys.executable, model, args.port, exchange_dir=args.exchange_dir, prefix_caching=True,

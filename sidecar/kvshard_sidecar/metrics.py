@@ -81,7 +81,7 @@ class SidecarMetrics:
             "kvshard_sidecar_catalog_items", "Items of the catalog version this pod serves", labels, registry=own)
         self.ready = Gauge("kvshard_sidecar_ready", "1 when the model is loaded and requests are served",
                            labels, registry=own)
-        # The fidelity guard (:mod:`kvshard_sidecar.shadow`): ``ratio`` is a rung of the fixed ladder
+        # The fidelity guard (:mod:`kvshard_sidecar.serving.shadow`): ``ratio`` is a rung of the fixed ladder
         # (kvshard.blend_policy.RATIO_LADDER) and ``method`` the method in force, so both stay few.
         guard = [*labels, "method", "ratio"]
         self.fidelity_checks = Counter(

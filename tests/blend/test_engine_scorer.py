@@ -12,8 +12,8 @@ import torch
 from kvshard.prompt_template import PromptTemplate
 from kvshard.prompts import PromptBuilder, RecommendationRequest
 from kvshard_sidecar.engine import BlendEngine, BlendSettings, MemoryBlockSource
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, Readout, isolated_scores, readout_id, scoring_prompt
 from kvshard_sidecar.engine.methods import method_settings
-from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout, isolated_scores, readout_id, scoring_prompt
 
 pytestmark = pytest.mark.model
 

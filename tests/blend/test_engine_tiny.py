@@ -15,7 +15,7 @@ from blend_helpers import TINY_IDENTITY, tiny_model, tiny_prompt
 from kvshard.segments import Prompt
 from kvshard_sidecar.engine import BlendEngine, BlendSettings, MemoryBlockSource, UnsupportedModelError
 from kvshard_sidecar.engine.executor import Executor
-from kvshard_sidecar.model import check_supported
+from kvshard_sidecar.engine.model import check_supported
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}

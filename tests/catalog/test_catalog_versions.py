@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvshard import catalog_schema as cs
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.testing_servers import EtcdServer
 
 _names = itertools.count()
 

@@ -1,6 +1,6 @@
 """One card, two users: vLLM takes ``engine.vllm.gpuMemoryUtilization`` of it, and the sidecar's blend
 engine (``engine.sidecar.device: cuda``) needs the rest for its own copy of the weights, its working
-memory (the sidecar's own rule, :func:`kvshard_sidecar.device_memory.need_for`), its memory tier
+memory (the sidecar's own rule, :func:`kvshard_sidecar.engine.device_memory.need_for`), its memory tier
 (``engine.sidecar.memoryBytes``: blocks it computes stay on the device) and a CUDA context.
 
 These tests read every term from the rendered manifests (vLLM's flags, the sidecar's settings as it
@@ -18,7 +18,7 @@ import pytest
 import yaml
 from chart_helpers import CHART, REPO, Manifest, container, engine_pod, helm, render, resolved_env
 
-from kvshard_sidecar import device_memory
+from kvshard_sidecar.engine import device_memory
 
 GIB = device_memory.GIB
 CUDA_CONTEXT = GIB // 2

@@ -164,7 +164,7 @@ def test_vllm_container_loads_the_kvshard_connector(rendered: dict[str, list[Man
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert config == {
         "kv_connector": "KvshardConnector",
-        "kv_connector_module_path": "kvshard_sidecar.connector",
+        "kv_connector_module_path": "kvshard_sidecar.vllm.connector",
         "kv_role": "kv_both",
         # a vanished or corrupt exchange entry is recomputed by vLLM, never a failed request
         "kv_load_failure_policy": "recompute",

@@ -38,8 +38,8 @@ from typing import Any
 import pytest
 
 from kvshard.processes import ManagedProcess
-from kvshard.testing_servers import free_port
-from kvshard_sidecar.vllm_client import VllmClient, server_command
+from kvshard_local.testing_servers import free_port
+from kvshard_sidecar.vllm.client import VllmClient, server_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -167,7 +167,7 @@ def run_e2e(model_path: Path, workdir: Path, ref: Reference) -> E2EResult:
     """Start vLLM with the connector, run the three requests, stop vLLM; returns what it saw."""
     import torch
 
-    from kvshard_sidecar.exchange import KVExchange, read_connector_stats
+    from kvshard_sidecar.vllm.exchange import KVExchange, read_connector_stats
 
     exchange = KVExchange(workdir / "exchange")
     stats_dir = exchange.directory / "stats"
@@ -211,7 +211,7 @@ class PrefixCachedResult:
 
 
 def run_prefix_cached(model_path: Path, workdir: Path, ref: Reference) -> PrefixCachedResult:
-    from kvshard_sidecar.exchange import KVExchange, read_connector_stats
+    from kvshard_sidecar.vllm.exchange import KVExchange, read_connector_stats
 
     exchange = KVExchange(workdir / "exchange")
     # The override is safe here only because the injected KV is the exact prefill (no blending).
@@ -236,7 +236,7 @@ def _model_path() -> Path:
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1",
                         reason="vLLM is not installed in this environment (the vllm extra); "
                                "the connector e2e needs vLLM's OpenAI server")
-    from kvshard_sidecar.model import default_model_path
+    from kvshard_sidecar.engine.model import default_model_path
 
     model_path = Path(default_model_path())
     if not (model_path / "config.json").exists():
@@ -327,7 +327,7 @@ def test_prefix_caching_allowed_by_the_override_is_logged_as_a_warning(
 ) -> None:
     """Case 2 of issue 16: ``"allow_prefix_caching": true`` lets vLLM serve (the test above) and
     each connector role says in vLLM's own log what it risks."""
-    from kvshard_sidecar.prefix_cache_guard import PREFIX_CACHING_ALLOWED
+    from kvshard_sidecar.vllm.prefix_cache_guard import PREFIX_CACHING_ALLOWED
 
     warnings = [line for line in prefix_cached.log.splitlines()
                 if "WARNING" in line and PREFIX_CACHING_ALLOWED in line]
@@ -342,7 +342,7 @@ def _top_overlap(expected: dict[int, float], actual: dict[int, float]) -> int:
 if __name__ == "__main__":
     import tempfile
 
-    from kvshard_sidecar.model import default_model_path
+    from kvshard_sidecar.engine.model import default_model_path
 
     began = time.monotonic()
     scratch = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="kvshard-vllm-e2e-"))

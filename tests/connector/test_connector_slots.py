@@ -9,7 +9,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1",
                     reason="vLLM is not installed in this environment (the vllm extra)")
 
-from kvshard_sidecar.connector import LoadSpec  # noqa: E402  (after the skip)
+from kvshard_sidecar.vllm.connector import LoadSpec  # noqa: E402  (after the skip)
 
 
 def test_slots_follow_the_request_blocks_across_a_partial_last_block() -> None:

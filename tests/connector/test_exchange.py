@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshard_sidecar.exchange import KVExchange, entry_key, read_connector_stats
+from kvshard_sidecar.vllm.exchange import KVExchange, entry_key, read_connector_stats
 
 PROMPT = [1, 9690, 198, 2683, 314, 253, 6082, 42, 7]
 
@@ -123,7 +123,7 @@ def test_sweep_removes_only_entries_older_than_the_ttl(exchange: KVExchange) -> 
 def test_keys_are_stable_across_processes() -> None:
     """Python's hash() is salted per process; the sidecar and vLLM must agree on names."""
     here = entry_key(PROMPT)
-    code = f"from kvshard_sidecar.exchange import entry_key; print(entry_key({PROMPT!r}))"
+    code = f"from kvshard_sidecar.vllm.exchange import entry_key; print(entry_key({PROMPT!r}))"
     there = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                            env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
     assert here == there and len(here) == 40

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvshard_sidecar.paged_kv import choose_reader
+from kvshard_sidecar.vllm.paged_kv import choose_reader
 
 BLOCKS, HEADS, BLOCK, DIM = 4, 3, 16, 8
 Layout = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]

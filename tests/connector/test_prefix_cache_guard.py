@@ -26,14 +26,14 @@ from typing import Any
 import pytest
 
 from kvshard.processes import ManagedProcess
-from kvshard.testing_servers import free_port
+from kvshard_local.testing_servers import free_port
 
 pytestmark = pytest.mark.vllm
 # Not plain "vllm": with tests/ on sys.path this folder itself would import as a namespace package.
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1",
                     reason="vLLM is not installed in this environment (the vllm extra)")
 
-from kvshard_sidecar.prefix_cache_guard import (  # noqa: E402  (after the skip)
+from kvshard_sidecar.vllm.prefix_cache_guard import (  # noqa: E402  (after the skip)
     ALLOW_PREFIX_CACHING,
     PREFIX_CACHING_ALLOWED,
     PREFIX_CACHING_REFUSED,
@@ -108,8 +108,8 @@ def test_an_override_that_is_not_a_json_boolean_is_refused(value: object) -> Non
 @pytest.mark.slow
 @pytest.mark.model
 def test_vllm_with_prefix_caching_on_exits_at_startup_with_the_refusal(tmp_path: Path) -> None:
-    from kvshard_sidecar.model import default_model_path
-    from kvshard_sidecar.vllm_client import server_command
+    from kvshard_sidecar.engine.model import default_model_path
+    from kvshard_sidecar.vllm.client import server_command
 
     model_path = Path(default_model_path())
     if not (model_path / "config.json").exists():

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvshard.processes import ManagedProcess
-from kvshard.testing_servers import free_port
+from kvshard_local.testing_servers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.model]
 
@@ -48,7 +48,7 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[di
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1",
                         reason="vLLM is not installed in this environment (the vllm extra)")
     from kvshard.models import resolve_model
-    from kvshard_sidecar.vllm_client import VllmClient, server_command
+    from kvshard_sidecar.vllm.client import VllmClient, server_command
 
     model = resolve_model(name)
     work = tmp_path_factory.mktemp(f"sidecar-vllm-{name}")
@@ -151,7 +151,7 @@ def test_first_token_distributions_agree_to_float_tolerance(answers: list[tuple[
 
 def test_connector_loaded_all_but_the_last_token_and_vllm_computed_one(
         answers: list[tuple[Any, Any]], rankings: list[tuple[Any, Any]], cluster: dict[str, Any]) -> None:
-    from kvshard_sidecar.exchange import read_connector_stats
+    from kvshard_sidecar.vllm.exchange import read_connector_stats
 
     prompt_tokens = [from_vllm["tokens"]["prompt"] for from_vllm, _ in answers + rankings]
     stats = read_connector_stats(cluster["exchange"] / "stats")

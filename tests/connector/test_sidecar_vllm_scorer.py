@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvshard.processes import ManagedProcess
-from kvshard.testing_servers import free_port
+from kvshard_local.testing_servers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.model]
 
@@ -57,7 +57,7 @@ def scorer_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1",
                         reason="vLLM is not installed in this environment (the vllm extra)")
     from kvshard.models import resolve_model
-    from kvshard_sidecar.vllm_client import VllmClient, server_command
+    from kvshard_sidecar.vllm.client import VllmClient, server_command
 
     model = resolve_model(str(request.param))
     work = tmp_path_factory.mktemp(f"vllm-computes-{request.param}")
@@ -140,7 +140,7 @@ def test_vllm_computing_from_stored_blocks_answers_as_full_prefill(answered: lis
 def test_the_candidates_are_one_batch_and_vllm_computes_only_what_no_block_holds(
         answered: list[tuple[Any, Any]], scorer_cluster: dict[str, Any]) -> None:
     from kvshard.models import model_interaction
-    from kvshard_sidecar.exchange import read_connector_stats
+    from kvshard_sidecar.vllm.exchange import read_connector_stats
 
     stats = read_connector_stats(scorer_cluster["work"] / "exchange" / "stats")
     assert stats["load_failures"] == 0 and stats["plans_refused"] == 0
@@ -209,8 +209,8 @@ def test_a_damaged_block_file_is_never_served(answered: list[tuple[Any, Any]], s
     from kvshard.models import model_template
     from kvshard.prompts import PromptBuilder
     from kvshard.segments import block_key
-    from kvshard_sidecar.exchange import read_connector_stats
-    from kvshard_sidecar.model import load_tokenizer
+    from kvshard_sidecar.engine.model import load_tokenizer
+    from kvshard_sidecar.vllm.exchange import read_connector_stats
 
     model = scorer_cluster["model"]
     tokenizer, _, identity = load_tokenizer(model)

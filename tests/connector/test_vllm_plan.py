@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvshard_sidecar.vllm_plan import (
+from kvshard_sidecar.vllm.plan import (
     PLAN_FIELD,
     BlockRows,
     Piece,

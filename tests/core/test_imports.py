@@ -1,6 +1,6 @@
 """Every module of every package imports on its own, first thing in a fresh interpreter.
 
-Why. The CLI loads one module per command (``kvshard model finetune`` imports ``kvshard_sidecar.finetune``
+Why. The CLI loads one module per command (``kvshard model finetune`` imports ``kvshard_training.finetune``
 and nothing before it), so an import cycle that the test run never trips — because some other module
 happened to be imported first — breaks a command for its users (seen: finetune → isolated_scorer →
 engine → isolated_scorer). One subprocess loads the heavy third-party packages, then forks a child per
@@ -14,7 +14,8 @@ import json
 import subprocess
 import sys
 
-ROOTS = ("kvshard", "kvshard_operator", "kvshard_sidecar", "kvshard_router", "kvshard_bench")
+ROOTS = ("kvshard", "kvshard_operator", "kvshard_sidecar", "kvshard_router", "kvshard_bench", "kvshard_local",
+         "kvshard_training")
 PRELOADED = ("torch", "transformers", "peft", "numpy", "kopf", "aiohttp", "prometheus_client", "yaml")
 
 SCRIPT = """

@@ -28,7 +28,7 @@ def test_a_folder_without_a_readable_merge_record_is_asked_with_the_default_temp
 
 
 def test_the_cacheshard_kvshard_up_generates_asks_the_served_model_as_it_was_trained(tmp_path: Path) -> None:
-    from kvshard.local.cluster import LocalCluster
+    from kvshard_local.cluster import LocalCluster
 
     model = tmp_path / "Rec"
     model.mkdir()

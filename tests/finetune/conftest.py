@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshard_sidecar.finetune_settings import FinetuneSettings
+from kvshard_training.settings import FinetuneSettings
 
 
 def tiny_settings(out: Path) -> FinetuneSettings:
@@ -21,7 +21,7 @@ def tiny_settings(out: Path) -> FinetuneSettings:
 def tiny_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Trained through the CLI, with the very command line the provenance records."""
     from kvshard.cli import main
-    from kvshard_sidecar.model import default_model_path
+    from kvshard_sidecar.engine.model import default_model_path
 
     if not (default_model_path() / "config.json").exists():
         pytest.fail(f"SmolLM2 is not prepared at {default_model_path()}: run `kvshard model prepare`")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvshard_sidecar.finetune import (
+from kvshard_training.finetune import (
     answer_and_label_logits,
     answer_logits,
     label_loss,

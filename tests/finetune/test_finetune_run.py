@@ -11,8 +11,8 @@ import pytest
 from safetensors import safe_open
 
 from kvshard.cli import build_parser
-from kvshard_sidecar.finetune_settings import FinetuneSettings, from_args
-from kvshard_sidecar.model import default_model_path, read_identity
+from kvshard_sidecar.engine.model import default_model_path, read_identity
+from kvshard_training.settings import FinetuneSettings, from_args
 
 
 @pytest.mark.model
@@ -89,7 +89,7 @@ def test_an_example_aligns_each_order_with_the_first() -> None:
 
     from kvshard.datasets import load_dataset
     from kvshard.prompts import PromptBuilder, RecommendationRequest
-    from kvshard_sidecar.finetune import Example
+    from kvshard_training.finetune import Example
 
     dataset = load_dataset("movielens-100k")
     builder = PromptBuilder(AutoTokenizer.from_pretrained(default_model_path()), dataset)
@@ -110,7 +110,7 @@ def test_label_positions_point_at_each_candidates_label_token(label_position: st
     from kvshard.datasets import load_dataset
     from kvshard.prompt_template import PromptTemplate
     from kvshard.prompts import PromptBuilder, RecommendationRequest
-    from kvshard_sidecar.finetune import label_positions
+    from kvshard_training.finetune import label_positions
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     builder = PromptBuilder(tokenizer, load_dataset("movielens-100k"),
@@ -132,9 +132,9 @@ def test_a_warm_start_continues_from_the_adapter_and_refuses_another_shape(tiny_
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from kvshard_sidecar.adapter_merge import AdapterError
-    from kvshard_sidecar.finetune_lora import lora_model, warm_start
-    from kvshard_sidecar.model import load_model
+    from kvshard_sidecar.engine.model import load_model
+    from kvshard_training.lora import lora_model, warm_start
+    from kvshard_training.merge import AdapterError
 
     words = json.loads((tiny_adapter / "provenance.json").read_text())["command"].split()[1:]
     base, settings = default_model_path(), from_args(build_parser(words).parse_args(words))
@@ -151,10 +151,10 @@ def test_a_warm_start_continues_from_the_adapter_and_refuses_another_shape(tiny_
 
 
 def test_a_warm_start_records_every_stage_it_grew_from_and_their_seconds(tmp_path: Path) -> None:
-    from kvshard_sidecar.adapter_merge import Adapter
-    from kvshard_sidecar.finetune_lora import lineage_record, lineage_seconds
+    from kvshard_training.lora import lineage_record, lineage_seconds
+    from kvshard_training.merge import Adapter
 
-    shipped = Path(__file__).resolve().parents[2] / "sidecar" / "kvshard_sidecar" / "adapters"
+    shipped = Path(__file__).resolve().parents[2] / "training" / "kvshard_training" / "adapters"
     first = tmp_path / "first"  # a stage trained from zero, its seconds recorded
     shutil.copytree(shipped / "movielens-scorer", first)
     grown = tmp_path / "grown"  # warm-started from it, by a version that kept only the parent's hash

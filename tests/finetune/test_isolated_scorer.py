@@ -16,9 +16,9 @@ from kvshard.models import model_scorer
 from kvshard.prompt_template import PromptTemplate
 from kvshard.prompts import PromptBuilder, RecommendationRequest, candidate_orders
 from kvshard.settings import SettingsError
-from kvshard_sidecar.finetune_settings import FinetuneSettings
-from kvshard_sidecar.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
-from kvshard_sidecar.vllm_scores import candidate_rows
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
+from kvshard_sidecar.vllm.scorer import candidate_rows
+from kvshard_training.settings import FinetuneSettings
 
 AFTER = PromptTemplate(label_position="after")
 
@@ -81,8 +81,8 @@ def test_finetune_refuses_what_the_isolated_scorer_cannot_train(wrong: dict[str,
 def tiny_scorer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two steps of `kvshard model finetune --scorer isolated|late` on a tiny split, merged."""
     from kvshard.cli import main
-    from kvshard_sidecar.adapter_merge import merge_adapter
-    from kvshard_sidecar.model import default_model_path
+    from kvshard_sidecar.engine.model import default_model_path
+    from kvshard_training.merge import merge_adapter
 
     scorer = str(request.param)
     out = tmp_path_factory.mktemp(f"{scorer}-adapter")
@@ -100,7 +100,7 @@ def tiny_scorer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 def test_the_merge_records_the_scorer_and_the_bench_ranks_with_it(tiny_scorer: Path, tmp_path: Path) -> None:
     from kvshard.cli import build_parser
     from kvshard_bench.recommender import run
-    from kvshard_sidecar.model import default_model_path
+    from kvshard_sidecar.engine.model import default_model_path
 
     scorer = model_scorer(tiny_scorer)
     assert scorer in ("isolated", "late") and model_scorer(default_model_path()) == "answer"
@@ -112,9 +112,9 @@ def test_the_merge_records_the_scorer_and_the_bench_ranks_with_it(tiny_scorer: P
 
 @pytest.mark.model
 def test_the_sidecar_serves_a_scorer_in_rank_mode(tiny_scorer: Path, tmp_path: Path) -> None:
-    from kvshard_sidecar.service import SidecarService
+    from kvshard_sidecar.serving.calls import RecommendCall
+    from kvshard_sidecar.serving.service import SidecarService
     from kvshard_sidecar.settings import SidecarSettings
-    from kvshard_sidecar.validation import RecommendCall
 
     service = SidecarService(SidecarSettings(model=str(tiny_scorer), disk_dir=tmp_path / "blocks"))
     service.load()

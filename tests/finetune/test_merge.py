@@ -14,8 +14,8 @@ import torch
 
 from kvshard.models import IDENTITY_FILE, MERGE_RECORD, model_prompt, model_template
 from kvshard.prompts import PromptBuilder, sample_requests
-from kvshard_sidecar.adapter_merge import BaseMismatchError, is_current, merge_adapter, prepare_finetuned
-from kvshard_sidecar.model import default_model_path, read_identity
+from kvshard_sidecar.engine.model import default_model_path, read_identity
+from kvshard_training.merge import BaseMismatchError, is_current, merge_adapter, prepare_finetuned
 
 pytestmark = pytest.mark.model
 
@@ -73,7 +73,7 @@ def test_an_adapter_for_other_base_weights_is_refused(tiny_adapter: Path, tmp_pa
 
 def test_merged_folder_loads_in_the_engine_with_finite_logits(merged: Path, movielens: object) -> None:
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
-    from kvshard_sidecar.model import load_model
+    from kvshard_sidecar.engine.model import load_model
 
     engine = BlendEngine.load(merged, MemoryBlockSource())
     builder = PromptBuilder(load_model(merged).tokenizer, movielens,  # type: ignore[arg-type]
@@ -86,7 +86,7 @@ def test_merged_folder_loads_in_the_engine_with_finite_logits(merged: Path, movi
 
 
 def test_prepare_without_a_shipped_adapter_only_logs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="kvshard_sidecar.adapter_merge"):
+    with caplog.at_level(logging.INFO, logger="kvshard_training.merge"):
         assert prepare_finetuned(default_model_path(), tmp_path / "x", adapter_folder=tmp_path / "none") is None
     assert "no fine-tuned adapter shipped" in caplog.text
     assert not (tmp_path / "x").exists()

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvshard.local.apiserver import admission, patches, selectors
-from kvshard.local.apiserver.errors import BadRequest, Conflict, Invalid, UnsupportedMediaType
-from kvshard.local.apiserver.server import default_types
+from kvshard_local.apiserver import admission, patches, selectors
+from kvshard_local.apiserver.errors import BadRequest, Conflict, Invalid, UnsupportedMediaType
+from kvshard_local.apiserver.server import default_types
 
 ROOT = Path(__file__).resolve().parents[2]
 TYPES = {t.plural: t for t in default_types()}

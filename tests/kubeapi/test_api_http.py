@@ -13,8 +13,8 @@ import kmock
 import pytest
 import yaml
 
-from kvshard.local.apiserver import LocalKubeApi, Store
-from kvshard.local.apiserver.errors import Expired
+from kvshard_local.apiserver import LocalKubeApi, Store
+from kvshard_local.apiserver.errors import Expired
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARDS = "/apis/kvshard.io/v1alpha1/namespaces/default/cacheshards"

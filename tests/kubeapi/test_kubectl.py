@@ -1,4 +1,4 @@
-"""The real kubectl 1.37 against the local API process (``python -m kvshard.local.emulator``): what a
+"""The real kubectl 1.37 against the local API process (``python -m kvshard_local.emulator``): what a
 new user types first, with no operator, pods or model behind it, so it stays fast."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def kubectl_bin() -> Path:
 @pytest.fixture
 def kubectl(kubectl_bin: Path, tmp_path: Path) -> Iterator[Kubectl]:
     config = tmp_path / "kubeconfig"
-    api = subprocess.Popen([sys.executable, "-m", "kvshard.local.emulator", "--port", "0", "--kubeconfig", str(config)],
+    api = subprocess.Popen([sys.executable, "-m", "kvshard_local.emulator", "--port", "0", "--kubeconfig", str(config)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from kvshard import crd
-from kvshard.local.apiserver import openapi, resources, tables
-from kvshard.local.apiserver.server import default_types
+from kvshard_local.apiserver import openapi, resources, tables
+from kvshard_local.apiserver.server import default_types
 
 NOW = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 TYPES = default_types()

@@ -3,7 +3,7 @@
 A two-pod local cluster runs the autoscaler loop (``autoscale=True``): every two seconds it evaluates
 the chart's KEDA query (:func:`kvshard.autoscaling.pressure_query`) against the cluster's Prometheus
 and applies the HPA rule. The load is the demo's ramp (:func:`kvshard_bench.demo_ramp.run`, which
-drives :class:`kvshard.local.ramp.LoadRamp`; levels from the target: 1, 2, 3 requests in flight,
+drives :class:`kvshard_local.ramp.LoadRamp`; levels from the target: 1, 2, 3 requests in flight,
 then 2, 1) → a third pod, then back to two, the leaving pod drained first. No request may fail in
 either direction, the new pod may answer only once it reported every cluster warm, and each change
 moves at most 1.1/N of the clusters. The ramp's summary (the demo's section) is printed as
@@ -22,8 +22,8 @@ import pytest
 import yaml
 from test_faults import placement_items
 
-from kvshard.local import LocalCluster, manifests
 from kvshard_bench import demo_ramp
+from kvshard_local import LocalCluster, manifests
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvshard.testing_servers import EtcdServer
 from kvshard_bench import demo_fidelity as fid
 from kvshard_bench import demo_report as rep
 from kvshard_bench.demo_trace import DemoTrace, DemoTraceSettings, ItemSpace, items_in, pick_hot_clusters
 from kvshard_bench.routing_sim import item_vectors
+from kvshard_local.testing_servers import EtcdServer
 
 
 @pytest.fixture(scope="module")

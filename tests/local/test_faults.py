@@ -30,9 +30,9 @@ from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvshard import etcd_store
-from kvshard.local import LocalCluster, manifests
-from kvshard.local.kubeapi import CACHESHARDS, condition
 from kvshard.placement_schema import Placement, PlacementFormatError
+from kvshard_local import LocalCluster, manifests
+from kvshard_local.kubeapi import CACHESHARDS, condition
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 

@@ -31,8 +31,8 @@ from polling import wait_until
 
 from kvshard.blend_policy import RATIO_LADDER, BlendPolicy
 from kvshard.datasets import load_dataset
-from kvshard.local import LocalCluster
-from kvshard.local.kubeapi import CACHESHARDS, condition
+from kvshard_local import LocalCluster
+from kvshard_local.kubeapi import CACHESHARDS, condition
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 INTERVAL_S = 10

@@ -13,7 +13,7 @@ import yaml
 from kubectl_cli import Kubectl, KubectlUnavailableError, kubectl_binary
 from polling import wait_until
 
-from kvshard.local import LocalCluster
+from kvshard_local import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 

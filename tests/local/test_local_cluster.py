@@ -23,12 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvshard.etcd_store import EtcdStore, EtcdTLSError, EtcdUnavailableError
 from kvshard.etcd_tls import EtcdTLS
-from kvshard.local import LocalCluster
-from kvshard.local.cluster import ETCD_TLS_SECRET
-from kvshard.local.kubeapi import condition
-from kvshard.local.run_folder import process_start_time
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.processes import http_ok
+from kvshard_local import LocalCluster
+from kvshard_local.cluster import ETCD_TLS_SECRET
+from kvshard_local.kubeapi import condition
+from kvshard_local.run_folder import process_start_time
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 JOBS = {"kvshard-sidecar", "kvshard-router", "kvshard-operator"}

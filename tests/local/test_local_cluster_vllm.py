@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvshard.local import LocalCluster
-from kvshard.local.kubelet import PodContainers
 from kvshard.settings import SettingsError
+from kvshard_local import LocalCluster
+from kvshard_local.kubelet import PodContainers
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.model]
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvshard.local.jobs import IndexedJob, index_ranges
+from kvshard_local.jobs import IndexedJob, index_ranges
 
 # A pod: records its index, its env and how many pods ran at its side; index 1 fails on its first
 # attempt, any index listed in $FAIL_ALWAYS always fails.
@@ -78,7 +78,7 @@ def test_completed_indexes_are_written_as_ranges() -> None:
 def test_the_local_cluster_makes_its_operator_embed_through_jobs(tmp_path: Path) -> None:
     """``kvshard up`` points the operator at ``<run>/embeddings`` as its shared volume (so it creates
     embedding Jobs, which the cluster's Job controller runs); ``embedding_jobs=False`` embeds in process."""
-    from kvshard.local.cluster import LocalCluster
+    from kvshard_local.cluster import LocalCluster
     from kvshard_operator.settings import Settings
 
     cluster = LocalCluster(dir=tmp_path / "run")

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvshard.local import manifests
-from kvshard.local.settings import LocalClusterSettings
 from kvshard.settings import SettingsError
+from kvshard_local import manifests
+from kvshard_local.settings import LocalClusterSettings
 
 
 def test_generated_cacheshard_is_valid_and_points_at_the_local_servers(tmp_path: Path) -> None:

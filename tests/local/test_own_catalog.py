@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from polling import wait_until
 
-from kvshard.local import LocalCluster
-from kvshard.local.kubeapi import CACHESHARDS, condition
+from kvshard_local import LocalCluster
+from kvshard_local.kubeapi import CACHESHARDS, condition
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 DATA = Path(__file__).with_name("data")

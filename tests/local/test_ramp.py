@@ -15,12 +15,12 @@ from typing import Any, cast
 import pytest
 
 from kvshard.autoscaling import DirectionRule, ScalingRules, duration_seconds, raw_recommendation
-from kvshard.local import ramp_timeline
-from kvshard.local.ramp import RampResult, plan_ramp
-from kvshard.local.ramp_timeline import RampChange, RampRequest, RampSample, headline, moved_fraction, segments
-from kvshard.local.scaling import LOCAL_AUTOSCALING
 from kvshard.placement_schema import Placement
 from kvshard_bench import demo_ramp
+from kvshard_local import ramp_timeline
+from kvshard_local.ramp import RampResult, plan_ramp
+from kvshard_local.ramp_timeline import RampChange, RampRequest, RampSample, headline, moved_fraction, segments
+from kvshard_local.scaling import LOCAL_AUTOSCALING
 
 
 def rules(min_replicas: int = 2, max_replicas: int = 3, target: float = 1.0, window: str = "10s") -> ScalingRules:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvshard_sidecar.model import IDENTITY_FILE, UnsupportedModelError, check_supported, load_model
+from kvshard_sidecar.engine.model import IDENTITY_FILE, UnsupportedModelError, check_supported, load_model
 
 
 @pytest.mark.model

@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvshard.local.apiserver import LocalKubeApi
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.apiserver import LocalKubeApi
+from kvshard_local.testing_servers import EtcdServer
 
 CACHESHARDS = "/apis/kvshard.io/v1alpha1/namespaces/{ns}/cacheshards"
 PODS = "/api/v1/namespaces/{ns}/pods"

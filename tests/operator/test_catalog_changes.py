@@ -157,7 +157,7 @@ def test_configmap_edits_flow_as_diffs_and_a_broken_edit_keeps_the_last_good_cat
     from polling import wait_until
 
     from kvshard.catalog_schema import parse_jsonl
-    from kvshard.testing_servers import EtcdServer
+    from kvshard_local.testing_servers import EtcdServer
 
     lines = catalog_file.read_text().splitlines()
     labels = {"app.kubernetes.io/name": "kvshard-engine"}

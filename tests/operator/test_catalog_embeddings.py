@@ -38,7 +38,7 @@ def test_given_vectors_are_placed_by_the_sampled_placement_and_changes_reuse_its
     from kopf.testing import KopfRunner
     from polling import wait_until
 
-    from kvshard.testing_servers import EtcdServer
+    from kvshard_local.testing_servers import EtcdServer
     from kvshard_operator import embedding, handlers
 
     monkeypatch.setattr(handlers, "SETTINGS", dataclasses.replace(handlers.SETTINGS, large_placement_items=60))

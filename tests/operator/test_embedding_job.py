@@ -76,7 +76,7 @@ def test_the_embedding_job_is_tracked_its_failed_pod_reported_and_placement_foll
     from kopf.testing import KopfRunner
     from polling import wait_until
 
-    from kvshard.testing_servers import EtcdServer
+    from kvshard_local.testing_servers import EtcdServer
     from kvshard_operator import handlers
 
     root = tmp_path / "volume"

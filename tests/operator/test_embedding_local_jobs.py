@@ -1,5 +1,5 @@
 """The local cluster's Job controller runs the operator's embedding Job (issue 19): the real operator
-creates the Indexed Job, :class:`kvshard.local.job_controller.JobController` runs each chunk as a real
+creates the Indexed Job, :class:`kvshard_local.job_controller.JobController` runs each chunk as a real
 ``embed_worker`` process with the pod's environment, a failed pod is retried (``backoffLimit``) and
 the CacheShard's status says so, the operator places once every chunk is in, and a rerun embeds
 nothing."""
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvshard.local.job_controller import EMBEDDING_CLAIM, JobController
-from kvshard.local.kubeapi import KubeApi
+from kvshard_local.job_controller import EMBEDDING_CLAIM, JobController
+from kvshard_local.kubeapi import KubeApi
 from kvshard_operator.embed_chunks import ChunkStore
 from kvshard_operator.embed_worker import FINGERPRINT
 
@@ -41,7 +41,7 @@ def test_the_local_job_controller_runs_the_chunks_as_processes_and_the_operator_
     from kopf.testing import KopfRunner
     from polling import wait_until
 
-    from kvshard.testing_servers import EtcdServer
+    from kvshard_local.testing_servers import EtcdServer
     from kvshard_operator import handlers
 
     root = tmp_path / "volume"

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from traffic import running_prometheus, wait_scraped
 
 from kvshard import blend_policy as bp
-from kvshard.testing_servers import EtcdServer, PrometheusServer, free_port
+from kvshard_local.testing_servers import EtcdServer, PrometheusServer, free_port
 from kvshard_operator.guard import FIDELITY_MET, GuardState, guard_shard
 from kvshard_operator.settings import Settings
 

@@ -11,7 +11,7 @@ from typing import Any
 from emulated import ETCD_TLS_SECRET, etcd_spec
 
 from kvshard import placement_schema as ps
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.testing_servers import EtcdServer
 from kvshard_operator.learned import LearnedState, colocate_shard
 from kvshard_operator.settings import Settings
 from kvshard_router.corequest import CoRequestSketch

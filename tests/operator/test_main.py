@@ -11,7 +11,7 @@ import pytest
 from emulated import EmulatedCluster, condition, etcd_spec
 from polling import wait_until
 
-from kvshard.testing_servers import EtcdServer, free_port
+from kvshard_local.testing_servers import EtcdServer, free_port
 from kvshard_operator import main as operator_main
 
 pytestmark = pytest.mark.slow

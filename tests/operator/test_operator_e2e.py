@@ -16,7 +16,7 @@ from kopf.testing import KopfRunner
 from polling import wait_until
 
 from kvshard import placement_schema as ps
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.testing_servers import EtcdServer
 from kvshard_operator import placement
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from emulated import ETCD_TLS_SECRET, etcd_spec
 
-from kvshard.certificates import make_etcd_certificates
 from kvshard.etcd_tls import CA_KEY, CERT_KEY, KEY_KEY
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.certificates import make_etcd_certificates
+from kvshard_local.testing_servers import EtcdServer
 from kvshard_operator import conditions as cond
 from kvshard_operator import warmth
 from kvshard_operator.kube import SecretError

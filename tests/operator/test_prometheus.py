@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from traffic import Traffic, running_prometheus, scrape_config, wait_scraped
 
-from kvshard.testing_servers import PrometheusServer, free_port
+from kvshard_local.testing_servers import PrometheusServer, free_port
 from kvshard_operator.prometheus import Heat, PrometheusClient, PrometheusError, promql_string
 
 WINDOW = 4.0  # 4× the scrape interval

@@ -19,7 +19,7 @@ from traffic import Traffic, running_prometheus, wait_scraped
 
 from kvshard import etcd_keys
 from kvshard import placement_schema as ps
-from kvshard.testing_servers import EtcdServer, PrometheusServer, free_port
+from kvshard_local.testing_servers import EtcdServer, PrometheusServer, free_port
 from kvshard_operator import placement
 from kvshard_operator.prometheus import PrometheusClient
 from kvshard_operator.rebalancer import RebalanceOutcome, due, rebalance_shard

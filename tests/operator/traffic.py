@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from kvshard.testing_servers import PrometheusNotInstalledError, PrometheusServer, free_port
+from kvshard_local.testing_servers import PrometheusNotInstalledError, PrometheusServer, free_port
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TICK_SECONDS = 0.1

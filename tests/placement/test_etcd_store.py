@@ -11,7 +11,7 @@ import pytest
 
 from kvshard import etcd_keys, etcd_store
 from kvshard import placement_schema as ps
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.testing_servers import EtcdServer
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()

@@ -10,9 +10,9 @@ import pytest
 
 from kvshard import etcd_store
 from kvshard import placement_schema as ps
-from kvshard.certificates import EtcdCertificates, make_etcd_certificates
 from kvshard.etcd_tls import EtcdTLS, EtcdTLSConfigError, files_problem
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.certificates import EtcdCertificates, make_etcd_certificates
+from kvshard_local.testing_servers import EtcdServer
 
 pytestmark = pytest.mark.slow
 PLACEMENT = ps.Placement(generation=1, assignment={0: ("pod-a",)}, item_clusters={"i": 0}, pods=("pod-a",), model="m")

@@ -13,7 +13,7 @@ import pytest
 from kvshard import etcd_keys, etcd_store
 from kvshard import placement_schema as ps
 from kvshard.corequest_schema import CoRequestFormatError, CoRequestReport
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.testing_servers import EtcdServer
 from kvshard_operator.learned import LearnedSettings, LearnedState, learn_shard
 from kvshard_router.corequest import CoRequestSketch
 from kvshard_router.corequest_publisher import CoRequestPublisher

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from kvshard.etcd_store import EtcdStore, EtcdUnavailableError
 from kvshard.placement_schema import Placement, WarmReport
-from kvshard.testing_servers import EtcdServer, free_port
+from kvshard_local.testing_servers import EtcdServer, free_port
 from kvshard_router.app import ROUTER_APP, RouterApp, build_app
 from kvshard_router.settings import RouterSettings
 

@@ -12,7 +12,7 @@ import pytest
 from router_helpers import FakePod, eventually, post, publish, running_router
 
 from kvshard.placement_schema import Placement, WarmReport
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.testing_servers import EtcdServer
 
 ITEMS = {**{f"a{i}": 0 for i in range(4)}, **{f"b{i}": 1 for i in range(4)}, "c0": 2}
 

@@ -19,7 +19,7 @@ from router_helpers import metric, publish
 from kvshard.datasets import Dataset
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.processes import ManagedProcess, http_ok
-from kvshard.testing_servers import EtcdServer, free_port
+from kvshard_local.testing_servers import EtcdServer, free_port
 
 
 def _call(url: str, body: Any = None, raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:

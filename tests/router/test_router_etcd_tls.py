@@ -9,11 +9,11 @@ import aiohttp
 import pytest
 from router_helpers import eventually, publish, running_router
 
-from kvshard.certificates import EtcdCertificates, make_etcd_certificates
 from kvshard.cli import main
 from kvshard.placement_schema import Placement
 from kvshard.settings import SettingsError, from_sources
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.certificates import EtcdCertificates, make_etcd_certificates
+from kvshard_local.testing_servers import EtcdServer
 from kvshard_router.settings import ENV_PREFIX, RouterSettings
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from router_helpers import FakePod, eventually, metric, post, publish, running_r
 from kvshard.log_filters import QuietRepeats
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.request_errors import RequestError
-from kvshard.testing_servers import EtcdServer
+from kvshard_local.testing_servers import EtcdServer
 from kvshard_router.follower import PlacementFollower
 from kvshard_router.policies import RouteRequest
 from kvshard_router.state import RouterState

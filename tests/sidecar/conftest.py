@@ -11,7 +11,7 @@ import pytest
 from sidecar_process import PEER_TOKEN, Sidecar, SidecarFactory
 
 from kvshard.processes import ManagedProcess
-from kvshard.testing_servers import free_port
+from kvshard_local.testing_servers import free_port
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from kvshard.datasets import Item
 from kvshard.request_errors import RequestError
 from kvshard_router.validation import parse_recommend as route
-from kvshard_sidecar.validation import Limits, parse_recommend
+from kvshard_sidecar.api.validation import Limits, parse_recommend
 
 CATALOG = {"1": Item("1", "Dune"), "2": Item("2", "Emma")}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshard_sidecar import device_memory as dm
+from kvshard_sidecar.engine import device_memory as dm
 
 GIB = dm.GIB
 

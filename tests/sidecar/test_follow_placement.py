@@ -16,8 +16,8 @@ from sidecar_process import Sidecar, SidecarFactory
 from kvshard.etcd_store import EtcdStore
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard.settings import SettingsError, from_sources
-from kvshard.testing_servers import EtcdServer
-from kvshard_sidecar.peers import PlacementHolders
+from kvshard_local.testing_servers import EtcdServer
+from kvshard_sidecar.blockstore.peers import PlacementHolders
 from kvshard_sidecar.settings import ENV_PREFIX, SidecarSettings
 
 NAMESPACE, SHARD = "recs", "movielens"

@@ -11,7 +11,7 @@ import torch
 from sidecar_process import PEER_TOKEN, SidecarFactory
 
 from kvshard_sidecar.blockstore import BlockStore, CorruptBlockError, KVBlock, encode_block
-from kvshard_sidecar.peers import PeerFetcher, static_holders
+from kvshard_sidecar.blockstore.peers import PeerFetcher, static_holders
 
 KEY = "ab" * 32
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvshard_sidecar.drain import Drain
+from kvshard_sidecar.api.drain import Drain
 from kvshard_sidecar.pressure import PressureTracker
 
 

@@ -84,7 +84,7 @@ def test_shadow_checks_compare_the_scores_with_full_prefill(sidecar: Sidecar, mo
 def test_with_its_vllm_gone_a_scorer_sidecar_answers_503_and_keeps_serving(start_sidecar: SidecarFactory) -> None:
     """A sidecar whose vLLM computes (``--engine vllm``) loads only the tokenizer, so it is ready without vLLM;
     while vLLM is down (not started yet, restarting) a request gets a JSON 503 naming vLLM, not a 500."""
-    from kvshard.testing_servers import free_port
+    from kvshard_local.testing_servers import free_port
 
     gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     sidecar = start_sidecar("--model", "late", "--engine", "vllm", "--vllm-url", gone, name="vllm-gone")

@@ -14,8 +14,8 @@ from sidecar_process import Sidecar, SidecarFactory
 from test_follow_placement import metric, wait_for
 
 from kvshard.blend_policy import BlendPolicy
-from kvshard.testing_servers import EtcdServer, free_port
-from kvshard_sidecar.shadow import Budget
+from kvshard_local.testing_servers import EtcdServer, free_port
+from kvshard_sidecar.serving.shadow import Budget
 
 NAMESPACE, SHARD = "recs", "guarded"
 CANDIDATES = ["50", "172", "181", "7", "1", "100"]

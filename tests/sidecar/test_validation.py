@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from kvshard.request_errors import RequestError
+from kvshard_sidecar.api.validation import Limits, parse_blend, parse_prefill, parse_recommend
 from kvshard_sidecar.engine.settings import BlendSettings
-from kvshard_sidecar.validation import Limits, parse_blend, parse_prefill, parse_recommend
 
 ITEMS = {str(i): object() for i in range(1, 50)}
 LIMITS = Limits(max_candidates=10, max_history=20, max_new_tokens=16)

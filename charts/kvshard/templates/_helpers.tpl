@@ -281,9 +281,9 @@ Call with one extraArgs item; renders nothing.
 {{/* The vLLM --kv-transfer-config JSON that loads the kvshard connector. */}}
 {{- define "kvshard.kvTransferConfig" -}}
 {{- if include "kvshard.vllmComputes" . }}
-{{- dict "kv_connector" "KvshardConnector" "kv_connector_module_path" "kvshard_sidecar.connector" "kv_role" "kv_both" "kv_load_failure_policy" "fail" "kv_connector_extra_config" (dict "exchange_dir" .Values.engine.exchangeDir "block_dir" "/var/cache/kvshard/blocks" "block_bytes" (int64 .Values.engine.sidecar.diskBytes)) | toJson }}
+{{- dict "kv_connector" "KvshardConnector" "kv_connector_module_path" "kvshard_sidecar.vllm.connector" "kv_role" "kv_both" "kv_load_failure_policy" "fail" "kv_connector_extra_config" (dict "exchange_dir" .Values.engine.exchangeDir "block_dir" "/var/cache/kvshard/blocks" "block_bytes" (int64 .Values.engine.sidecar.diskBytes)) | toJson }}
 {{- else }}
-{{- dict "kv_connector" "KvshardConnector" "kv_connector_module_path" "kvshard_sidecar.connector" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" (dict "exchange_dir" .Values.engine.exchangeDir) | toJson }}
+{{- dict "kv_connector" "KvshardConnector" "kv_connector_module_path" "kvshard_sidecar.vllm.connector" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" (dict "exchange_dir" .Values.engine.exchangeDir) | toJson }}
 {{- end }}
 {{- end }}
 

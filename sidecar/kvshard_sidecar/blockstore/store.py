@@ -2,7 +2,7 @@
 
 Lookups go memory → disk → fetcher. A disk hit is promoted to memory, and a fetched block is kept
 in both local tiers, so the next lookup is a memory hit. The fetcher is the seam for the peer tier
-(``kvshard_sidecar.peers.PeerFetcher`` asks the pods that hold the block over HTTP and decodes with
+(``kvshard_sidecar.blockstore.peers.PeerFetcher`` asks the pods that hold the block over HTTP and decodes with
 the codec); this module knows nothing about networking. A fetcher that raises :class:`CorruptBlockError` is
 counted as a corrupt miss, so a peer's damaged reply is never served.
 """

@@ -16,10 +16,10 @@ behind, averaged item blocks), :mod:`.blend` (the engine).
 from kvshard_sidecar.engine.blend import BlendEngine
 from kvshard_sidecar.engine.executor import Executor
 from kvshard_sidecar.engine.kvbuffer import KVBuffer
+from kvshard_sidecar.engine.model import UnsupportedModelError
 from kvshard_sidecar.engine.results import BlendResult, Generation, Sampling
 from kvshard_sidecar.engine.settings import BlendSettings, SettingsError
 from kvshard_sidecar.engine.source import BlockSource, MemoryBlockSource
-from kvshard_sidecar.model import UnsupportedModelError
 
 __all__ = [
     "BlendEngine", "BlendResult", "BlendSettings", "BlockSource", "Executor", "Generation", "KVBuffer",

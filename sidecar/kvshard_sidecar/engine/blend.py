@@ -51,6 +51,7 @@ from kvshard_sidecar.engine.contexts import (
 )
 from kvshard_sidecar.engine.decoding import decode
 from kvshard_sidecar.engine.executor import Executor
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, Readout
 from kvshard_sidecar.engine.kvbuffer import KVBuffer
 from kvshard_sidecar.engine.oracle import Oracle
 from kvshard_sidecar.engine.results import BlendResult, Generation, Sampling
@@ -65,14 +66,13 @@ from kvshard_sidecar.engine.selectors import (
 )
 from kvshard_sidecar.engine.settings import BlendSettings
 from kvshard_sidecar.engine.source import BlockSource, MemoryBlockSource, tier_name
-from kvshard_sidecar.isolated_scorer import IsolatedInputs, Readout
 
 
 @dataclass(frozen=True)
 class Geometry:
     """Where each KV row stands and what it may see, when that is not "row ``p`` is position ``p``,
     causal": batched segment prefill (every segment from one position, blind to the others) and the
-    isolated scorer's candidates (:mod:`kvshard_sidecar.isolated_scorer`)."""
+    isolated scorer's candidates (:mod:`kvshard_sidecar.engine.isolated_scorer`)."""
 
     positions: torch.Tensor
     """long ``[N]``: the RoPE position of every row."""
@@ -120,7 +120,7 @@ class BlendEngine:
         cls, path: Path | str | None = None, store: BlockSource | None = None, settings: BlendSettings | None = None
     ) -> BlendEngine:
         """Load a Llama-family folder (default: the prepared SmolLM2) on the settings' device/dtype."""
-        from kvshard_sidecar.model import load_model
+        from kvshard_sidecar.engine.model import load_model
 
         settings = settings or BlendSettings()
         loaded = load_model(path, dtype=settings.dtype, device=settings.device)
@@ -354,7 +354,7 @@ class BlendEngine:
         prefill's exact KV before the layer loop — how the fidelity benchmark attributes error.
 
         With ``readout`` the prompt is an isolated scorer's
-        (:func:`~kvshard_sidecar.isolated_scorer.scoring_prompt`: it ends at the last candidate's label)
+        (:func:`~kvshard_sidecar.engine.isolated_scorer.scoring_prompt`: it ends at the last candidate's label)
         and ``result.scores`` holds each candidate's ``log P(readout.token)`` at its label opening. Every
         candidate's item block is placed at the prefix's end (all at the same positions) and sees the
         prefix (or, for a ``late`` scorer, not even that) and itself, never another candidate. FREE

@@ -20,7 +20,7 @@ when a block is warmed (``[system, item]``) and when a request looks it up:
   ``neutral`` with that text; several average out what any one neighbour list imprints on the item;
 * ``history`` — the history behind the system segment (exact), every later block alone at position 0
   (``standalone``'s blocks, under the same keys): the late-interaction scorer's items read only
-  themselves (:mod:`kvshard_sidecar.isolated_scorer`), so this serves it exactly.
+  themselves (:mod:`kvshard_sidecar.engine.isolated_scorer`), so this serves it exactly.
 
 The context is part of every block key (:func:`context_tag`): blocks computed behind different texts,
 or averaged over different lists, never collide.

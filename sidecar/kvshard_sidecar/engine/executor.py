@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvshard_sidecar.engine.model import UnsupportedModelError, check_supported
 from kvshard_sidecar.engine.rope import apply_rotary
-from kvshard_sidecar.model import UnsupportedModelError, check_supported
 
 _LAYER_PARTS = (
     "input_layernorm", "self_attn", "post_attention_layernorm", "mlp",

@@ -6,7 +6,7 @@ Blocks store keys as a prefill at positions ``0 .. T-1`` produces them (see
 to ``p + δ`` by rotating it once more by ``δ·ω_i`` — no pre-RoPE copy is needed. This holds for every
 rope type whose frequencies ``ω_i`` do not depend on the sequence length (default, linear and
 Llama-3 ``llama3`` scaling fold their scaling into ``inv_freq``); dynamic NTK changes ``ω`` with the
-length, so :func:`kvshard_sidecar.model.check_supported` refuses it.
+length, so :func:`kvshard_sidecar.engine.model.check_supported` refuses it.
 
 The pair layout is Hugging Face's ``rotate_half`` (dimension ``i`` pairs with ``i + d/2``), the layout
 the model's own attention uses. Angles are computed in float64 and the rotation in float32 whatever

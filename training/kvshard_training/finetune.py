@@ -1,0 +1,453 @@
+"""``kvshard model finetune``: LoRA-tune SmolLM2 into a recommender for kvshard's own prompt.
+
+Why it exists. SmolLM2-135M-Instruct answers "A" whatever the candidates are, so fidelity to it
+measures agreement about a position bias, and HR@k measures nothing. This trains a small LoRA
+adapter (``peft``) on exactly the prompt kvshard serves (:class:`kvshard.prompts.PromptBuilder`) so
+the model's choice depends on the items:
+
+* the loss is the cross-entropy over the candidates' *label tokens* at the answer position (the
+  last prompt token), target = the held-out item's label — nothing else in the vocabulary, and no
+  other position, contributes;
+* candidate order is shuffled per example, so position carries no signal;
+* the data follow :mod:`kvshard.splits`: held-out users are never seen, a training user's last
+  interaction is never used, the second-to-last is the validation target;
+* optionally (the default) the one-hot target is mixed with an item-kNN teacher's distribution over
+  every candidate (:mod:`kvshard_training.teacher`), a graded target for all K labels;
+* optionally (``--consistency``) every request is trained under two candidate orders at once, and a
+  symmetric KL between their per-item distributions (:func:`order_disagreement`) asks the model to
+  rank the same items the same wherever they stand — shuffling alone only removes position as a
+  *signal*; the agreement term targets it as a *bias*. Off by default: it halves the requests an
+  hour buys, and measured at the same 54-minute budget it traded HR@1 .28 → .21 for position
+  consistency .40 → .45 (README, "Models").
+* optionally (``--pointwise``) each candidate's own label token is read too (one ``lm_head`` row,
+  " yes", at K positions of the forward pass already made) and those K scores are trained to rank
+  the candidates against the same target (:func:`mixed_cross_entropy`): K graded signals per request
+  at no extra compute. Off by default: measured at a 50-minute budget it raised validation
+  consistency (two orders .74 at step 403) but not held-out users' (README, "Models").
+* ``--scorer isolated`` trains the isolated scorer instead (:mod:`kvshard_sidecar.engine.isolated_scorer`):
+  no answer position, each candidate scored alone from the prefix and its own item, the same mixed
+  cross-entropy over the K scores. Its ranking cannot depend on the candidate order.
+
+Throughput on a CPU decides what fits in an hour, so only the answer position's logits are computed
+(the decoder's last hidden state through ``lm_head``, not the 49,152-wide head on every position),
+LoRA can be limited to the upper layers (autograd then never records the lower ones), and the run
+stops at a wall-clock budget. The output folder gets ``adapter_model.safetensors``,
+``adapter_config.json``, ``provenance.json`` and the loss curve (JSON after every step, PNG at each
+validation); :mod:`kvshard_training.merge` merges it into a prepared model folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kvshard.datasets import load_dataset
+from kvshard.paths import cache_dir
+from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt, candidate_orders
+from kvshard.ranking import QUALITY_METRICS, best_index, quality
+from kvshard.segments import SegmentKind
+from kvshard.splits import UserSplit, training_requests, validation_requests
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
+from kvshard_sidecar.engine.model import default_model_path, load_model
+from kvshard_training.lora import lineage_seconds, lora_model, save_adapter, warm_start
+from kvshard_training.merge import ADAPTER_WEIGHTS
+from kvshard_training.report import (
+    PROVENANCE_FILE,
+    LossCurve,
+    StepRecord,
+    library_versions,
+    sha256_file,
+    write_json_atomic,
+)
+from kvshard_training.settings import FinetuneSettings, from_args
+from kvshard_training.teacher import ItemKnnTeacher, teacher_quality
+
+log = logging.getLogger(__name__)
+
+EMA = 0.9
+
+
+def default_output() -> Path:
+    return cache_dir() / "finetune" / "movielens-rec"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One request as tensors, under one or more candidate orders of the same length: token ids [P, T],
+    the label token ids [K] (labels are positional, so every order shares them), the target's index in
+    each order [P], and ``alignment`` [P, K]: where order ``p`` puts order 0's ``i``-th candidate."""
+
+    input_ids: torch.Tensor
+    label_ids: torch.Tensor
+    targets: torch.Tensor
+    alignment: torch.Tensor
+    soft: torch.Tensor | None = None
+    """The teacher's distribution over each order's K labels [P, K] (:mod:`kvshard_training.teacher`)."""
+    label_positions: torch.Tensor | None = None
+    """Where each order's K label tokens stand in its prompt [P, K] (read by the pointwise term)."""
+    isolated: tuple[IsolatedInputs, ...] = ()
+    """Each order's candidate blocks, for ``--scorer isolated`` (:mod:`kvshard_sidecar.engine.isolated_scorer`)."""
+
+    @classmethod
+    def of(cls, *orders: RecommendationPrompt, soft: Sequence[Sequence[float]] | None = None,
+           isolated: bool = False, interaction: int | None = None) -> Example:
+        """The same request built under each candidate order (the first is the reference)."""
+        first = orders[0]
+        if any(o.target_index is None for o in orders):
+            raise ValueError("a training example needs its target among the candidates")
+        if len({len(o.prompt) for o in orders}) != 1 or any(o.label_token_ids != first.label_token_ids for o in orders):
+            raise ValueError("candidate orders of one example must tokenize to the same length and labels")
+        reference = first.request.candidates
+        alignment = [[o.request.candidates.index(c) for c in reference] for o in orders]
+        return cls(torch.tensor([o.prompt.token_ids for o in orders], dtype=torch.long),
+                   torch.tensor(first.label_token_ids, dtype=torch.long),
+                   torch.tensor([o.target_index for o in orders], dtype=torch.long),
+                   torch.tensor(alignment, dtype=torch.long),
+                   None if soft is None else torch.tensor(soft, dtype=torch.float32),
+                   torch.tensor([label_positions(o) for o in orders], dtype=torch.long),
+                   tuple(IsolatedInputs.of(o, interaction) for o in orders) if isolated else ())
+
+    @property
+    def orders(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def label_positions(built: RecommendationPrompt) -> list[int]:
+    """The position of each candidate's label token in ``built``'s prompt, in label order (the label
+    token inside each label segment, whichever side of its item the template puts it)."""
+    positions: list[int] = []
+    wanted = built.label_token_ids
+    for span in built.prompt.spans:
+        if len(positions) < len(wanted) and span.segment.kind is SegmentKind.FREE \
+                and wanted[len(positions)] in span.segment.token_ids:
+            positions.append(span.start + span.segment.token_ids.index(wanted[len(positions)]))
+    if len(positions) != len(wanted):
+        raise ValueError("every candidate's label token must stand in its own label segment")
+    return positions
+
+
+def answer_logits(causal_lm: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token logits at the last position only, [batch, vocab], in float32: the decoder's last hidden
+    state through ``lm_head`` (the head over every position would cost a 49,152-wide matmul per token).
+    A bfloat16 base runs under autocast, so its float32 LoRA adapters meet bfloat16 activations."""
+    return answer_and_label_logits(causal_lm, input_ids)[0]
+
+
+def answer_and_label_logits(causal_lm: Any, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                            readout_token: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`answer_logits`, and — given ``positions`` [batch, K] — the logit of token ``readout_token`` at
+    each of those positions [batch, K] from the same forward pass (one row of ``lm_head``, not the head)."""
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
+        hidden = causal_lm.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        logits: torch.Tensor = causal_lm.lm_head(hidden[:, -1])
+        readout = None
+        if positions is not None:
+            at_labels = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            readout = (at_labels @ causal_lm.lm_head.weight[readout_token].to(at_labels.dtype)).float()
+    return logits.float(), readout
+
+
+def label_loss(logits: torch.Tensor, label_ids: torch.Tensor, targets: torch.Tensor,
+               soft: torch.Tensor | None = None, soft_weight: float = 0.0) -> torch.Tensor:
+    """Cross-entropy over the candidates' label tokens only: ``logits`` [B, V] at the answer position,
+    ``label_ids`` [B, K] (or [K] for all rows), ``targets`` [B] indices into the K labels. With a
+    teacher's ``soft`` [B, K] distribution, the target is ``(1 - soft_weight) · one-hot + soft_weight · soft``."""
+    if label_ids.dim() == 1:
+        label_ids = label_ids.expand(logits.shape[0], -1)
+    return mixed_cross_entropy(logits.gather(-1, label_ids), targets, soft, soft_weight)
+
+
+def mixed_cross_entropy(scores: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
+                        soft_weight: float = 0.0) -> torch.Tensor:
+    """Cross-entropy of ``scores`` [B, K] against ``(1 - soft_weight) · one-hot(targets) + soft_weight · soft``.
+
+    The pointwise term uses it too: there ``scores`` are one readout logit at each candidate's own label
+    token (:func:`answer_and_label_logits`), asked to rank the candidates as the answer is. Each score is
+    computed where its item has just been read, before the candidates that follow, so it is a per-item
+    relevance — K graded signals per forward pass where the answer gives one."""
+    if soft is None or soft_weight == 0.0:
+        return F.cross_entropy(scores, targets)
+    hard = F.one_hot(targets, scores.shape[-1]).to(soft.dtype)
+    return F.cross_entropy(scores, (1 - soft_weight) * hard + soft_weight * soft)
+
+
+def order_disagreement(logits: torch.Tensor, label_ids: torch.Tensor, alignment: torch.Tensor) -> torch.Tensor:
+    """Symmetric KL between the candidate distributions of two orders of one request, candidate by
+    candidate: ``logits`` [2, V] at the answer position, ``label_ids`` [K], ``alignment`` [2, K] (see
+    :class:`Example`). Zero exactly when the model ranks the items the same whatever their letters and
+    places — the position consistency the cross-entropy alone only reaches through the data (R-Drop's
+    agreement term, with the candidate order as the perturbation)."""
+    label_logp = F.log_softmax(logits.gather(-1, label_ids.expand(logits.shape[0], -1)), dim=-1)
+    first, second = label_logp.gather(-1, alignment)[:2]
+    return 0.5 * (F.kl_div(first, second, log_target=True, reduction="sum")
+                  + F.kl_div(second, first, log_target=True, reduction="sum"))
+
+
+def example_loss(causal_lm: Any, example: Example, settings: FinetuneSettings, readout: int) -> torch.Tensor:
+    """One training example's loss under ``settings``: the isolated scores' cross-entropy, or the answer's
+    label loss plus the optional pointwise and order-agreement terms."""
+    if example.isolated:
+        return mixed_cross_entropy(order_scores(causal_lm, example, readout), example.targets, example.soft,
+                                   settings.teacher_weight)
+    logits, scores = answer_and_label_logits(causal_lm, example.input_ids,
+                                             example.label_positions if settings.pointwise > 0 else None, readout)
+    loss = label_loss(logits, example.label_ids, example.targets, example.soft, settings.teacher_weight)
+    if scores is not None:
+        loss = loss + settings.pointwise * mixed_cross_entropy(scores, example.targets, example.soft,
+                                                          settings.teacher_weight)
+    if example.orders > 1:
+        loss = loss + settings.consistency * order_disagreement(logits, example.label_ids, example.alignment)
+    return loss
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1, time_used: float = 0.0) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``floor`` by ``total`` steps — or by
+    the end of the time budget when that comes first (``time_used``: the budget's spent share, 0–1), so a
+    run cut by its budget still ends annealed."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_used))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def order_scores(causal_lm: Any, example: Example, readout: int) -> torch.Tensor:
+    """Each order's K candidate scores [P, K] as the model ranks: the label logits at the answer position,
+    or — for an example built with ``isolated`` — each candidate's isolated log P(readout)."""
+    if example.isolated:
+        return torch.stack([isolated_scores(causal_lm, inputs, readout) for inputs in example.isolated])
+    return answer_logits(causal_lm, example.input_ids)[:, example.label_ids]
+
+
+@torch.inference_mode()
+def evaluate(causal_lm: Any, examples: Sequence[Example], readout: int = 0) -> dict[str, float]:
+    """Mean label-restricted loss, HR@1/HR@5/NDCG@10 (averaged over each example's candidate orders),
+    the most chosen label's share and — for examples with several orders — ``position_consistency``,
+    the share whose chosen item is the same under every order (the recommender bench's measure)."""
+    totals = dict.fromkeys(QUALITY_METRICS, 0.0)
+    loss = 0.0
+    chosen: Counter[int] = Counter()
+    consistent = compared = answers = 0
+    for example in examples:
+        all_scores = order_scores(causal_lm, example, readout)
+        loss += float(F.cross_entropy(all_scores, example.targets)) * example.orders
+        items = set()
+        for order in range(example.orders):
+            scores = all_scores[order].tolist()
+            best = best_index(scores)
+            chosen[best] += 1
+            items.add(int((example.alignment[order] == best).nonzero()[0, 0]))
+            for name, value in quality(scores, int(example.targets[order])).items():
+                totals[name] += value
+        answers += example.orders
+        if example.orders > 1:
+            compared += 1
+            consistent += len(items) == 1
+    n = max(1, answers)
+    result = {name: value / n for name, value in totals.items()}
+    result["loss"] = loss / n
+    result["max_label_share"] = max(chosen.values()) / n if chosen else 0.0
+    if compared:
+        result["position_consistency"] = consistent / compared
+    result["prompts"] = float(len(examples))
+    return result
+
+
+@dataclass
+class FinetuneResult:
+    out: Path
+    steps: int
+    examples: int
+    elapsed_s: float
+    validation: dict[str, float]
+
+
+@dataclass
+class TrainingData:
+    """The split's examples as tensors, and what provenance says about them."""
+
+    dataset: str
+    split: dict[str, object]
+    examples: list[Example]
+    validation: list[Example]
+    teacher: dict[str, object]
+    init_adapter: dict[str, object] | None = None
+
+
+def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
+    """Training examples (seeded, shuffled candidates; two orders each when the agreement term is on)
+    and validation prompts from the training users (always two orders: validation reports position
+    consistency)."""
+    dataset = load_dataset(settings.dataset)
+    split = UserSplit(settings.heldout_fraction, settings.split_salt)
+    training_users = split.training_users(dataset)
+    users = training_users
+    if settings.users:
+        users = sorted(random.Random(settings.seed).sample(users, min(settings.users, len(users))))
+    builder = PromptBuilder(tokenizer, dataset, template=PromptTemplate(label_position=settings.label_position))
+    requests = training_requests(dataset, users, settings.history, settings.candidates,
+                                 settings.steps * settings.accumulation, settings.seed, settings.window)
+    if not requests:
+        raise SystemExit(f"no training positions: users need more than {settings.history + 2} interactions")
+    validation = validation_requests(dataset, users, settings.history, settings.candidates, settings.val_users,
+                                     settings.seed + 1)
+    rng = random.Random(f"{settings.seed}-orders")
+    training_orders = [candidate_orders(r, 2 if settings.consistency > 0 else 1, rng) for r in requests]
+    validation_orders = [candidate_orders(r, 2, rng) for r in validation]
+    teacher_record: dict[str, object] = {"kind": settings.teacher}
+    soft: list[list[list[float]] | None] = [None] * len(requests)
+    if settings.teacher == "item-knn":
+        # Every training user feeds the teacher, not only the sampled ones: more co-occurrence, no leak.
+        teacher = ItemKnnTeacher(dataset.histories, training_users)
+        soft = [[teacher.distribution(o.history, o.candidates, settings.teacher_temperature, o.user_id) for o in orders]
+                for orders in training_orders]
+        teacher_record |= {"weight": settings.teacher_weight, "temperature": settings.teacher_temperature,
+                           "validation": teacher_quality(teacher, ((r.user_id, r.history, r.candidates,
+                                                                    r.candidates.index(str(r.target)))
+                                                                   for r in validation))}
+        log.info("item-kNN teacher on the validation prompts: %s", teacher_record["validation"])
+    isolated, interaction = settings.scorer != "answer", settings.interaction_of_scorer()
+    examples = [Example.of(*(builder.build(o) for o in orders), soft=s, isolated=isolated,
+                           interaction=interaction)
+                for orders, s in zip(training_orders, soft, strict=True)]
+    return TrainingData(dataset.name, {**split.describe(dataset), "training_users_used": len(users)},
+                        examples, [Example.of(*(builder.build(o) for o in orders), isolated=isolated,
+                                              interaction=interaction)
+                                   for orders in validation_orders],
+                        teacher_record)
+
+
+def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
+    """Train, validate, write the adapter, the loss curve and the provenance into ``settings.out``."""
+    torch.set_num_threads(settings.threads)
+    out = settings.out or default_output()
+    out.mkdir(parents=True, exist_ok=True)
+    base_folder = settings.model or default_model_path()
+    loaded = load_model(base_folder, dtype=settings.precision)
+    base = {"name": loaded.identity.name, "revision": loaded.identity.revision,
+            "tokenizer": loaded.identity.tokenizer}
+    data = training_data(settings, loaded.tokenizer)
+    examples = data.examples
+    steps = math.ceil(len(examples) / settings.accumulation)
+    log.info("%d training examples (%d steps × %d), %d validation prompts, ~%.0f tokens per prompt",
+             len(examples), steps, settings.accumulation, len(data.validation),
+             sum(e.input_ids.shape[1] for e in examples[:64]) / min(64, len(examples)))
+
+    readout = readout_id(loaded.tokenizer)
+    peft_model = lora_model(loaded.model, settings)
+    if settings.init_adapter is not None:
+        data.init_adapter = warm_start(peft_model, settings.init_adapter, base_folder)
+    causal_lm = peft_model.get_base_model()
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
+    curve = LossCurve()
+    ema: float | None = None
+    last: dict[str, float] | None = None
+    started = time.perf_counter()
+    done_steps = done_examples = 0
+    bar = tqdm(total=steps, desc="finetune", unit="step", disable=not progress)
+    peft_model.train()
+    budget = settings.minutes * 60
+    for step in range(steps):
+        time_used = (time.perf_counter() - started) / budget
+        if time_used >= 1.0:
+            log.info("time budget of %.1f min spent after %d steps", settings.minutes, step)
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * lr_factor(step, settings.warmup, steps, time_used=time_used)
+        batch = examples[step * settings.accumulation:(step + 1) * settings.accumulation]
+        step_loss = 0.0
+        for example in batch:
+            loss = example_loss(causal_lm, example, settings, readout)
+            torch.autograd.backward(loss / len(batch))
+            step_loss += float(loss.detach()) / len(batch)
+        if settings.clip > 0:
+            torch.nn.utils.clip_grad_norm_(trainable, settings.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done_steps, done_examples = step + 1, done_examples + len(batch)
+        ema = step_loss if ema is None else EMA * ema + (1 - EMA) * step_loss
+        curve.steps.append(StepRecord(done_steps, done_examples, step_loss, ema,
+                                      optimizer.param_groups[0]["lr"], time.perf_counter() - started))
+        curve.write(out)
+        bar.update()
+        bar.set_postfix(loss=f"{ema:.3f}")
+        if settings.val_every and done_steps % settings.val_every == 0 and done_steps < steps:
+            last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
+    bar.close()
+    elapsed = time.perf_counter() - started
+    if last is None or last["step"] != done_steps:
+        last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
+    save_adapter(peft_model, out, base["name"])
+    write_provenance(out, settings, base, data, curve, done_steps, done_examples, elapsed, last)
+    log.info("adapter, curve and provenance written to %s (%.1f min)", out, elapsed / 60)
+    return FinetuneResult(out, done_steps, done_examples, elapsed, last)
+
+
+def _validate(peft_model: Any, causal_lm: Any, validation: Sequence[Example], curve: LossCurve, step: int,
+              out: Path, readout: int) -> dict[str, float]:
+    peft_model.eval()
+    started = time.perf_counter()
+    result = evaluate(causal_lm, validation, readout)
+    peft_model.train()
+    result = {"step": float(step), **result, "seconds": time.perf_counter() - started}
+    curve.validation.append(result)
+    curve.write(out, png=True)
+    log.info("validation at step %d: loss %.3f, HR@1 %.3f, HR@5 %.3f, NDCG@10 %.3f, max label share %.2f, "
+             "position consistency %.2f", step, result["loss"], result["hr1"], result["hr5"], result["ndcg10"],
+             result["max_label_share"], result.get("position_consistency", float("nan")))
+    return result
+
+
+def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str], data: TrainingData,
+                     curve: LossCurve, steps: int, examples: int, elapsed: float,
+                     validation: dict[str, float]) -> None:
+    """``provenance.json``: how the adapter was made, and the base it must be merged into."""
+    settings_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}
+    record = {
+        "adapter": ADAPTER_WEIGHTS,
+        "adapter_sha256": sha256_file(out / ADAPTER_WEIGHTS),
+        "base": {"name": base["name"], "revision": base["revision"], "tokenizer": base["tokenizer"]},
+        "command": settings.command(),
+        "invoked_as": " ".join(sys.argv),
+        "seed": settings.seed,
+        "settings": settings_record,
+        "dataset": data.dataset,
+        "split": data.split,
+        "teacher": data.teacher,
+        "init_adapter": data.init_adapter,
+        "steps": steps,
+        "examples": examples,
+        "training_seconds": round(elapsed, 1),
+        "lineage_training_seconds": round(lineage_seconds(elapsed, data.init_adapter), 1),
+        "seconds_per_example": round(elapsed / max(1, examples), 3),
+        "threads": settings.threads,
+        "versions": library_versions(),
+        "loss_curve": {"json": "loss_curve.json", "png": "loss_curve.png",
+                       "first_ema": curve.steps[0].loss_ema if curve.steps else None,
+                       "last_ema": curve.steps[-1].loss_ema if curve.steps else None},
+        "evaluation": {"validation": validation,
+                       "note": "validation = training users' second-to-last interactions; "
+                               "`kvshard bench recommender` reports held-out users' last interactions"},
+    }
+    write_json_atomic(out / PROVENANCE_FILE, record)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvshard model finetune``: train with the settings from flags/env; print the output folder."""
+    result = train(from_args(args))
+    print(f"{result.out}: {result.steps} steps, {result.examples} examples, {result.elapsed_s / 60:.1f} min, "
+          f"validation HR@1 {result.validation['hr1']:.3f} (loss {result.validation['loss']:.3f})")
+    return 0
