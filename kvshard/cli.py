@@ -325,13 +325,12 @@ def _requires(parser: argparse.ArgumentParser, package: str) -> bool:
     """Whether ``package`` is installed; if not, ``parser``'s command says what to install and exits 2."""
     if _installed(package):
         return True
-    parser.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     def handler(args: argparse.Namespace) -> int:
         print(f"kvshard {args.command}: this command comes with {DEV_DISTRIBUTIONS[package]}", file=sys.stderr)
         return 2
 
-    parser.set_defaults(handler=handler)
+    parser.set_defaults(handler=handler, missing_package=package)  # its flags are unknown here: not an error
     return False
 
 
@@ -361,7 +360,10 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "missing_package", None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler: Callable[[argparse.Namespace], int] = args.handler
     return handler(args)

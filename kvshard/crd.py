@@ -11,11 +11,12 @@ point ``KVSHARD_CRD_PATH`` at the copied file.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Any, cast
 
 import yaml
+
+from kvshard.settings import environment
 
 GROUP = "kvshard.io"
 VERSION = "v1alpha1"
@@ -31,8 +32,8 @@ class CRDNotFoundError(FileNotFoundError):
 
 def crd_path() -> Path:
     """The CRD file: ``$KVSHARD_CRD_PATH`` if set, else ``crds/`` of the source checkout."""
-    explicit = os.environ.get("KVSHARD_CRD_PATH")
-    candidates = [Path(explicit)] if explicit else []
+    explicit = environment().kvshard_crd_path
+    candidates = [explicit] if explicit is not None else []
     candidates.append(Path(__file__).resolve().parents[1] / "crds" / CRD_FILE)
     for path in candidates:
         if path.is_file():

@@ -7,18 +7,19 @@ else ``~/.cache/kvshard``.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from kvshard.settings import environment
 
 
 def cache_dir() -> Path:
     """The user cache folder (created on first use)."""
-    explicit = os.environ.get("KVSHARD_CACHE_DIR")
-    if explicit:
-        root = Path(explicit).expanduser()
+    env = environment()
+    if env.kvshard_cache_dir is not None:
+        root = env.kvshard_cache_dir.expanduser()
     else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvshard"
+        xdg = env.xdg_cache_home
+        root = (xdg.expanduser() if xdg is not None else Path.home() / ".cache") / "kvshard"
     root.mkdir(parents=True, exist_ok=True)
     return root
 

@@ -43,7 +43,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -55,6 +54,7 @@ from kvshard.datasets import Dataset, load_dataset
 from kvshard.models import MEASURED_MODEL
 from kvshard.paths import cache_dir
 from kvshard.placement_schema import Placement
+from kvshard.settings import SettingsError, env_setting
 from kvshard_bench import demo_fidelity, demo_ramp
 from kvshard_bench import demo_report as report
 from kvshard_bench.demo_reference import FullPrefillReference
@@ -117,7 +117,13 @@ class DemoSettings:
 def settings_from(args: argparse.Namespace) -> DemoSettings:
     """The settings from ``kvshard demo``'s flags (defined in ``kvshard/cli.py``). ``--engine`` falls back to
     ``KVSHARD_LOCAL_ENGINE`` (as ``kvshard up``'s does), and ``--pods`` left unset to the engine's default."""
-    engine = getattr(args, "engine", None) or os.environ.get("KVSHARD_LOCAL_ENGINE") or "embedded"
+    from kvshard_local.settings import ENV_PREFIX as LOCAL_ENV_PREFIX
+    from kvshard_local.settings import LocalClusterSettings
+
+    try:
+        engine = getattr(args, "engine", None) or env_setting(LocalClusterSettings, LOCAL_ENV_PREFIX, "engine")
+    except SettingsError as exc:
+        raise SystemExit(f"kvshard demo: {exc}") from None
     if engine not in ENGINES:
         raise SystemExit(f"kvshard demo: --engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if getattr(args, "pods", None) is None:

@@ -38,6 +38,7 @@ from typing import Any, Self
 from kvshard.etcd_store import EtcdStore
 from kvshard.etcd_tls import CA_KEY, CERT_KEY, KEY_KEY, EtcdTLS
 from kvshard.processes import http_ok
+from kvshard.settings import environment
 from kvshard_local.certificates import EtcdCertificates, make_etcd_certificates
 
 
@@ -67,9 +68,10 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         return ports
 
 
-def _binary(name: str, variable: str, missing: type[FileNotFoundError], package: str) -> str:
-    """``$variable``, else ``name`` on ``PATH``, else ``/usr/bin/<name>``; or ``missing``."""
-    found = os.environ.get(variable) or shutil.which(name) or (
+def _binary(name: str, configured: Path | None, variable: str, missing: type[FileNotFoundError],
+            package: str) -> str:
+    """``configured`` (``$variable``), else ``name`` on ``PATH``, else ``/usr/bin/<name>``; or ``missing``."""
+    found = (str(configured) if configured else None) or shutil.which(name) or (
         f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
     if not found:
         raise missing(f"{name} not found: apt-get install {package}, or set {variable}")
@@ -78,7 +80,8 @@ def _binary(name: str, variable: str, missing: type[FileNotFoundError], package:
 
 def etcd_binary() -> str:
     """The etcd executable to run, or :class:`EtcdNotInstalledError`."""
-    return _binary("etcd", "KVSHARD_ETCD_BINARY", EtcdNotInstalledError, "etcd-server")
+    return _binary("etcd", environment().kvshard_etcd_binary, "KVSHARD_ETCD_BINARY", EtcdNotInstalledError,
+                   "etcd-server")
 
 
 class _LocalServer(abc.ABC):
@@ -237,7 +240,7 @@ class EtcdServer(_LocalServer):
                 "--peer-cert-file", str(c.server_cert), "--peer-key-file", str(c.server_key),
                 "--peer-client-cert-auth", "--peer-trusted-ca-file", str(c.ca),
             ]
-        env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
+        env = {"ETCD_UNSUPPORTED_ARCH": "", **os.environ}
         self._spawn(cmd, self._log, self._healthy, self.start_timeout, f"etcd on {self.endpoint}", env=env)
 
     def _healthy(self) -> bool:
@@ -266,7 +269,8 @@ class PrometheusNotInstalledError(FileNotFoundError):
 
 def prometheus_binary() -> str:
     """The Prometheus executable to run, or :class:`PrometheusNotInstalledError`."""
-    return _binary("prometheus", "KVSHARD_PROMETHEUS_BINARY", PrometheusNotInstalledError, "prometheus")
+    return _binary("prometheus", environment().kvshard_prometheus_binary, "KVSHARD_PROMETHEUS_BINARY",
+                   PrometheusNotInstalledError, "prometheus")
 
 
 class PrometheusServer(_LocalServer):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvshard.settings import environment
 from kvshard_operator import embedding
 from kvshard_operator.embed_chunks import ChunkStore
 
@@ -28,8 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plan", required=True, help="the plan id (the Job's kvshard.io/embedding-plan label)")
     parser.add_argument("--index", type=int, default=None, help="chunk index (default $JOB_COMPLETION_INDEX)")
     args = parser.parse_args(argv)
+    index = args.index if args.index is not None else environment().job_completion_index
+    if index is None:
+        parser.error("no --index and no $JOB_COMPLETION_INDEX (Kubernetes sets it in an Indexed Job's pods)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    index = args.index if args.index is not None else int(os.environ["JOB_COMPLETION_INDEX"])
     started = time.perf_counter()
     model = embedding.MiniLM()
     done = ChunkStore(args.root, FINGERPRINT).run_chunk(args.plan, index, model.encode)

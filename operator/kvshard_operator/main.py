@@ -1,19 +1,23 @@
 """``kvshard operator run``: kopf's ``run`` with our settings, as a function the CLI can call.
 
 The CLI stays in the shared core and dispatches here lazily (``add_arguments`` + ``main``), so the
-core never imports kopf. ``run(argv)`` is the same for ``python -m kvshard_operator``.
+core never imports kopf. ``run(argv)`` is the same for ``python -m kvshard_operator``. Every setting of
+:class:`~kvshard_operator.settings.Settings` is a flag; the handlers get them all through
+:func:`~kvshard_operator.settings.configure` before they are imported.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
 from kvshard_operator import settings as settings_mod
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,21 +26,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
 
+def configure(args: argparse.Namespace) -> settings_mod.Settings:
+    """The settings of this run (flags, then ``KVSHARD_OPERATOR_*``, then defaults), handed to the handlers.
+
+    Handlers read their settings at import (kopf fixes timer intervals at registration), so this runs
+    before :mod:`kvshard_operator.handlers` is imported."""
+    settings = settings_mod.Settings.from_args(args)
+    settings_mod.configure(settings)
+    return settings
+
+
 def main(args: argparse.Namespace, *, stop_flag: threading.Event | None = None) -> int:
     """Run the operator until interrupted (or until ``stop_flag`` is set, for embedding it in
     ``kvshard up`` and tests); returns the exit code."""
-    settings = settings_mod.Settings.from_env().with_args(args)
-    # Handlers read their settings at import (kopf fixes timer intervals at registration), so
-    # flags are handed over through the environment before the import.
-    os.environ[settings_mod.ENV_PREFIX + "PEERING"] = "true" if settings.peering else "false"
-    os.environ[settings_mod.ENV_PREFIX + "SEED"] = str(settings.seed)
+    settings = configure(args)
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import kopf
 
-    from kvshard_operator import handlers  # noqa: F401 - registers the handlers
+    from kvshard_operator import handlers  # registers the handlers
 
+    stale = [f.name for f in dataclasses.fields(settings)
+             if getattr(handlers.SETTINGS, f.name) != getattr(settings, f.name)]
+    if stale:  # only when something imported the handlers earlier in this process (tests)
+        log.warning("the handlers were imported before `operator run` configured them; they keep %s of that import",
+                    ", ".join(stale))
     if settings.metrics_port:
         from prometheus_client import start_http_server
 

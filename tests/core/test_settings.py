@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 
-from kvshard.settings import SettingsError, add_arguments, describe, from_sources, setting
+from kvshard.settings import SettingsError, add_arguments, describe, env_setting, from_sources, setting
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,27 @@ def test_secrets_come_only_from_the_environment_and_are_masked() -> None:
     settings = parse([], {"KVX_TOKEN": "s3cret"})
     assert settings.token == "s3cret"
     assert describe(settings)["token"] == "***"
+
+
+@dataclass(frozen=True)
+class WithAliases:
+    zones: tuple[str, ...] = setting((), "zones", flags=("--zone", "-z"), repeatable=True)
+    hosts: tuple[str, ...] = setting((), "hosts", flags=("-H",))
+
+
+def test_more_flags_and_repeatable_lists() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, WithAliases, "KVY_")
+    args = parser.parse_args(["--zone", "a", "-z", "b,c", "--zones", "d", "-H", "h1", "--hosts", "h2"])
+    settings = from_sources(WithAliases, args, "KVY_", {"KVY_ZONES": "env"})
+    assert settings.zones == ("a", "b", "c", "d"), "each occurrence of a repeatable flag adds to the list"
+    assert settings.hosts == ("h2",), "a plain list flag keeps its last occurrence"
+    assert from_sources(WithAliases, parser.parse_args([]), "KVY_", {"KVY_ZONES": "x,y"}).zones == ("x", "y")
+
+
+def test_one_setting_from_the_environment_alone() -> None:
+    assert env_setting(Example, "KVX_", "mode", {}) == "a"
+    assert env_setting(Example, "KVX_", "mode", {"KVX_MODE": "b", "KVX_PORT": "not read"}) == "b"
+    assert env_setting(Example, "KVX_", "folder", {"KVX_FOLDER": "/f"}) == Path("/f")
+    with pytest.raises(SettingsError, match="KVX_MODE"):
+        env_setting(Example, "KVX_", "mode", {"KVX_MODE": "c"})

@@ -11,6 +11,7 @@ way the Dockerfile does, and list what came.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,9 +22,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+# What each distribution's build reads (the root's is what .dockerignore admits to the image build).
+SOURCES = {".": ("pyproject.toml", "README.md", "kvshard", "operator", "sidecar", "router")}
+
+
 def _wheel(folder: Path, out: Path) -> Path:
+    """The distribution in ``folder`` built from a copy of its sources (setuptools writes build/ in place)."""
+    source = out / "source"
+    names = SOURCES.get(str(folder.relative_to(REPO)), tuple(path.name for path in folder.iterdir()))
+    for name in names:
+        if (folder / name).is_dir():
+            shutil.copytree(folder / name, source / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+        else:
+            source.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(folder / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(folder)], check=True, capture_output=True, timeout=300)
+                    str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = out.glob("*.whl")
     return wheel
 
