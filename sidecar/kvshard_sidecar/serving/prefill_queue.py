@@ -15,19 +15,24 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol, TypeVar, TypeVarTuple
 
 from kvshard.tasks import cancel_and_wait
 from kvshard_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
+Args = TypeVarTuple("Args")
+
 
 class Warmer(Protocol):
     """What the queue needs of the service: the work, and where to count it."""
 
-    metrics: SidecarMetrics
-    model_name: str
+    @property
+    def metrics(self) -> SidecarMetrics: ...
+    @property
+    def model_name(self) -> str: ...
 
     def warm_unit(self, unit: WarmUnit) -> int: ...
 
@@ -85,7 +90,7 @@ class PrefillQueue:
         self._pool, self._compute = pool, compute
         self._task = loop.create_task(self._run())
 
-    async def exclusive(self, work: Callable[..., Any], *args: Any) -> Any:
+    async def exclusive(self, work: Callable[[*Args], R], *args: *Args) -> R:
         """Run ``work(*args)`` in the worker pool holding the compute semaphore, so no request or
         prefill unit runs meanwhile (a catalog switch replaces the builder and the engine's identity)."""
         async with self._compute:

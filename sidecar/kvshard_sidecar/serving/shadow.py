@@ -34,13 +34,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvshard.blend_policy import ratio_label
 from kvshard.ranking import best_index, kendall_tau
 from kvshard.segments import Prompt
 from kvshard.tasks import cancel_and_wait
 from kvshard_sidecar.metrics import SidecarMetrics
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class ShadowJob:
 
     prompt: Prompt
     label_token_ids: tuple[int, ...]
-    blended_logits: Any  # float32 [vocab] of the first token
+    blended_logits: torch.Tensor  # float32 [vocab] of the first token
     method: str
     ratio: str
     queued_at: float
@@ -74,7 +77,7 @@ class Comparison:
     tau: float
 
 
-def compare(full_logits: Any, blended_logits: Any, label_token_ids: tuple[int, ...]) -> Comparison:
+def compare(full_logits: torch.Tensor, blended_logits: torch.Tensor, label_token_ids: tuple[int, ...]) -> Comparison:
     """Same chosen candidate, KL(full ‖ blended) over the vocabulary (nats), τ over the label logits
     (``*_logits`` are torch tensors)."""
     labels = list(label_token_ids)
@@ -110,7 +113,7 @@ class Budget:
 class ShadowChecker:
     """Samples requests (any thread) and checks them in idle time (the event loop)."""
 
-    def __init__(self, metrics: SidecarMetrics, full_logits: Callable[[Prompt], Any], *, budget_share: float,
+    def __init__(self, metrics: SidecarMetrics, full_logits: Callable[[Prompt], torch.Tensor], *, budget_share: float,
                  sample_rate: float = 0.0, seed: int | None = None) -> None:
         self.metrics = metrics
         self.sample_rate = sample_rate
@@ -136,7 +139,7 @@ class ShadowChecker:
 
     # ----------------------------------------------------------------- sampling (worker thread)
 
-    def offer(self, prompt: Prompt, label_token_ids: tuple[int, ...], blended_logits: Any, method: str,
+    def offer(self, prompt: Prompt, label_token_ids: tuple[int, ...], blended_logits: torch.Tensor, method: str,
               ratio: float) -> bool:
         """Sample this request with probability ``sample_rate``; queue it when sampled. Returns whether."""
         with self._lock:
