@@ -33,6 +33,10 @@ the load runs; it takes traffic only once warm, as every new pod does.
 Before the replay the demo sets a fidelity target on its CacheShard (``spec.fidelity``,
 ``--fidelity-target`` 90 % by default, 0: none): the sidecars shadow-check a share of the requests and
 the operator moves the recompute ratio to meet the target; :mod:`demo_fidelity` reports its decisions.
+
+The exit code says whether the demo showed what it set out to (:mod:`demo_verdict`, printed last and kept
+in ``summary.json``): 1 when any request failed (replay, re-sent pairs, ramp), when agreement with full
+prefill is below ``--fidelity-target``, or when the ramp (``--ramp``) did not complete.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from kvshard_bench import demo_fidelity, demo_ramp
 from kvshard_bench import demo_report as report
 from kvshard_bench.demo_reference import FullPrefillReference
 from kvshard_bench.demo_trace import DemoRequest, DemoTrace, DemoTraceSettings, ItemSpace, items_in, pick_hot_clusters
+from kvshard_bench.demo_verdict import verdict
 from kvshard_bench.demo_watch import PlacementWatch
 
 log = logging.getLogger(__name__)
@@ -187,7 +192,10 @@ def _replay_and_report(cluster: Any, dataset: Dataset, settings: DemoSettings, s
     spec = settings.fidelity_spec()
     fidelity = demo_fidelity.summarize(result.fidelity, spec) if spec else None
     summary = report.summarize(result.records, result.pairs, result.samples, result.changes, result.pods, wall,
-                               notes=result.notes, fidelity=fidelity, ramp=ramp)
+                               notes=result.notes, fidelity=fidelity, ramp=ramp, pairs_failed=result.pairs_failed)
+    outcome = verdict(summary, fidelity_target_percent=settings.fidelity_target, ramp=settings.ramp,
+                      pairs_wanted=settings.pairs)
+    summary["verdict"] = outcome.as_json()
     text = report.render(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.txt").write_text(text + "\n")
@@ -200,6 +208,8 @@ def _replay_and_report(cluster: Any, dataset: Dataset, settings: DemoSettings, s
     print(f"files: {out / 'summary.txt'}, {out / 'summary.json'}, {out / 'requests.jsonl'}, "
           f"{out / 'placements.jsonl'}, {png}{''.join(f', {f}' for f in ramp_files)}; "
           f"cluster logs in {cluster.logs_dir}", flush=True)
+    for line in outcome.lines():
+        print(line, flush=True)
     if settings.keep_running:
         print(f"the cluster keeps running: router {cluster.router_url}, Prometheus {cluster.prometheus_url}, "
               f"etcd {cluster.etcd_endpoint}; Ctrl-C stops it", flush=True)
@@ -208,17 +218,13 @@ def _replay_and_report(cluster: Any, dataset: Dataset, settings: DemoSettings, s
                 time.sleep(3600)
         except KeyboardInterrupt:
             print("stopping the local cluster", flush=True)
-    failed = summary["errors"] + int((ramp or {}).get("failed") or 0)
-    if failed or not summary["ok"]:
-        print(f"kvshard demo: {failed} requests failed ({summary['errors']} in the replay, "
-              f"{(ramp or {}).get('failed') or 0} in the ramp)", flush=True)
-        return 1
-    return 0
+    return outcome.code
 
 
 def _ramp(cluster: Any, trace: DemoTrace | None, settings: DemoSettings) -> tuple[dict[str, Any], list[Path]]:
     """The autoscaling phase: the summary's section and the files written (``ramp.json``, ``ramp.png``).
-    A ramp that cannot start or that fails is a note in the summary, never the end of the demo."""
+    A ramp that cannot start or that fails is a note in the summary, not the end of the demo (the replay's
+    results are still written), and fails the demo's exit code (:mod:`demo_verdict`)."""
     if trace is None:
         return {"outcome": "no ramp: the replay built no trace"}, []
     print(f"autoscaling ramp: at most {settings.ramp_timeout_s:.0f} s (--ramp-timeout)", flush=True)
@@ -249,6 +255,8 @@ class ReplayResult:
     fidelity: list[demo_fidelity.FidelitySample] = dataclasses.field(default_factory=list)
     trace: DemoTrace | None = None
     """The session trace, which the autoscaling ramp continues."""
+    pairs_failed: int = 0
+    """Requests re-sent for the comparison with full prefill that got no answer (blended or full)."""
 
 
 class Replay:
@@ -260,6 +268,7 @@ class Replay:
         self.t0 = time.monotonic()
         self.records: list[report.Record] = []
         self.requests: dict[int, DemoRequest] = {}
+        self.pairs_failed = 0
         self.notes: dict[str, Any] = {"model": settings.model}
         if settings.engine == "vllm":
             self.notes["engine"] = ("vllm: each pod's own vLLM computes what no block holds; the full-prefill "
@@ -317,7 +326,7 @@ class Replay:
         self.notes["round-robin"] = ("counterfactual: request i would go to healthy pod i mod N; "
                                      "held = its candidates whose cluster that pod was assigned")
         return ReplayResult(self.records, pairs, list(watch.samples), watch.changes(), pods, self.notes,
-                            list(watch.fidelity), trace)
+                            list(watch.fidelity), trace, self.pairs_failed)
 
     async def _set_fidelity(self) -> None:
         """Set the demo's ``spec.fidelity`` on the CacheShard (a merge patch through the local Kubernetes
@@ -443,6 +452,7 @@ class Replay:
             else:
                 full = await self._direct(url, request.body(blend={"method": "full"}))
             if blended is None or full is None:
+                self.pairs_failed += 1
                 continue
             assert record.pod is not None
             pairs.append(report.PrefillPair(record.index, record.pod, float(blended["timings"]["ttft_ms"]),

@@ -213,10 +213,11 @@ def _kind_rank(kind: str) -> tuple[int, str]:
 def summarize(records: Sequence[Record], pairs: Sequence[PrefillPair], samples: Sequence[PlacementSample],
               changes: Mapping[int, Sequence[str]], pods: Sequence[str], wall_s: float,
               notes: Mapping[str, Any] | None = None, fidelity: Mapping[str, Any] | None = None,
-              ramp: Mapping[str, Any] | None = None) -> dict[str, Any]:
+              ramp: Mapping[str, Any] | None = None, pairs_failed: int = 0) -> dict[str, Any]:
     """Everything the demo prints, as one JSON-able document (``summary.json``); ``fidelity`` is
     :func:`demo_fidelity.summarize`'s section when the demo ran with a target, ``ramp``
-    :func:`demo_ramp.section`'s (or ``{"outcome": why not}``) when it ran the autoscaling ramp."""
+    :func:`demo_ramp.section`'s (or ``{"outcome": why not}``) when it ran the autoscaling ramp;
+    ``pairs_failed`` counts the requests re-sent for ``pairs`` that got no answer."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     blended = [p.blended_ttft_ms for p in pairs]
@@ -234,7 +235,7 @@ def summarize(records: Sequence[Record], pairs: Sequence[PrefillPair], samples: 
     for sample in samples:
         generations.setdefault(sample.generation, sample.t)
     return {
-        "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+        "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok), "pairs_failed": pairs_failed,
         "wall_s": wall_s, "replay_s": max((r.sent_s + r.latency_s for r in records), default=0.0),
         "hits": hit_table(records),
         "placement_hit": {"router": _mean(r.held for r in ok), "round_robin": _mean(r.rr_held for r in ok)},
@@ -292,8 +293,10 @@ def render(summary: Mapping[str, Any]) -> str:
     out += _table(["router", "affinity (this run)", "round-robin (counterfactual)"],
                   [["share", _fmt(ph["router"], ".1%"), _fmt(ph["round_robin"], ".1%")]]) + [""]
     t = summary["ttft_ms"]
+    lost = summary.get("pairs_failed") or 0
     out += [f"TTFT (ms): replay under load p50 {_fmt(t['replay_p50'])}  p99 {_fmt(t['replay_p99'])}; "
-            f"same {t['pairs']} requests one at a time on the same sidecar:"]
+            f"same {t['pairs']} requests one at a time on the same sidecar"
+            f"{f' ({lost} more re-sent got no answer)' if lost else ''}:"]
     out += _table(["", "p50", "p99"], [
         ["blended", _fmt(t["blended_p50"]), _fmt(t["blended_p99"])],
         ["full prefill", _fmt(t["full_p50"]), _fmt(t["full_p99"])],
@@ -324,6 +327,11 @@ def render(summary: Mapping[str, Any]) -> str:
         out.append(f"  generation {g}: " + ("; ".join(lines) if lines else "no assignment change"))
     for key, value in summary.get("notes", {}).items():
         out.append(f"{key}: {value}")
+    outcome = summary.get("verdict")
+    if outcome is not None:
+        reasons = outcome.get("reasons") or []
+        out += ["", "Verdict: " + ("passed" if not reasons else f"FAILED (exit code {outcome.get('exit_code')})")]
+        out += [f"  - {reason}" for reason in reasons]
     return "\n".join(out)
 
 

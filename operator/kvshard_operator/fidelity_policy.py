@@ -8,6 +8,11 @@ like this:
   *upper* bound is below the target (confidently missed) and *down* only when the *lower* bound is at
   least the target plus ``margin`` (confidently met). Between the two it holds: that dead band is the
   hysteresis, and it widens as samples get scarce.
+* **The condition says only what the interval shows.** ``FidelityMet`` is ``True`` (``MeetsTarget``,
+  ``AboveTarget``) only when the lower bound is at or above the target, ``False`` (``BelowTarget``,
+  ``AtMaxRatio``) only when the upper bound is below it, and ``Unknown`` (``NotYetShown``) while the
+  interval straddles it: 5 of 5 agreeing is a lower bound of 56 %, which does not show a 90 % target
+  met, however good the point estimate looks ("not shown to miss" is not "met").
 * **Only evidence at the ratio in force counts.** The sidecars label every check with the ratio it
   ran at, and the adapter counts only the current rung's checks; after a step the new rung starts with
   no samples, so the controller holds (``InsufficientSamples``) until it has ``min_samples`` — at most
@@ -141,7 +146,9 @@ def decide(ratio: float, counts: Counts | None, target: Target, memory: Memory =
                             memory)
         why = "minRatio" if not below else f"ratio {below[-1]:g} missed the target recently"
         return decision(ratio, 0, "True", "MeetsTarget", f"{measured}; holding ({why})", memory)
-    if agreement >= target.agreement:
-        return decision(ratio, 0, "True", "MeetsTarget", f"{measured}; holding (not confidently above)", memory)
-    return decision(ratio, 0, "False", "BelowTarget", f"{measured}; holding until the shortfall is significant",
-                    memory)
+    if lower >= target.agreement:  # met, but not by ``margin``: no step down yet
+        return decision(ratio, 0, "True", "MeetsTarget", f"{measured}; holding (not confidently above by the "
+                        f"margin {target.margin:.1%})", memory)
+    # the interval straddles the target: neither met nor missed is shown, whatever the point estimate says
+    return decision(ratio, 0, "Unknown", "NotYetShown", f"{measured}; holding: the interval straddles the target, "
+                    "so neither meeting nor missing it is shown yet", memory)

@@ -178,7 +178,7 @@ async def guard_shard(
     except (etcd_store.EtcdStoreError, bp.BlendPolicyError, ValueError) as exc:
         logger.warning("fidelity guard cannot reach the blend in etcd: %s", exc)
         return None
-    shard = f"{namespace}/{name}"
+    shard = metrics.shard_label(namespace, name)
     metrics.BLEND_RATIO.labels(shard).set(current.ratio)
     if fidelity:
         metrics.FIDELITY_TARGET.labels(shard).set(int(fidelity["targetAgreementPercent"]) / 100)

@@ -267,7 +267,7 @@ async def colocate(
             namespace=str(namespace), name=name, spec=dict(spec), state=memo.kvshard_learned, settings=SETTINGS,
             read_secret=kube.read_secret, now=time.time(), slack_seconds=SETTINGS.rebalance_check_seconds / 2)
     if outcome is not None and outcome.published is not None:
-        metrics.PLACEMENT_GENERATION.labels(f"{namespace}/{name}").set(outcome.published)
+        metrics.PLACEMENT_GENERATION.labels(metrics.shard_label(str(namespace), name)).set(outcome.published)
         logger.info("colocation: %s", outcome.message)
 
 
@@ -316,9 +316,11 @@ async def follow_warm(
 @kopf.on.delete(*RESOURCE)
 async def delete_shard(*, namespace: str | None, name: str, spec: kopf.Spec, logger: kopf.Logger, retry: int,
                        **_: Any) -> None:
-    """The finalizer: remove every etcd key of this CacheShard before Kubernetes forgets it."""
+    """The finalizer: remove every etcd key of this CacheShard before Kubernetes forgets it, then its
+    metric series (kept while the keys are, so a retried delete still shows the generation in force)."""
     endpoints = (spec.get("etcd") or {}).get("endpoints") or []
     if not endpoints:
+        metrics.forget_shard(str(namespace), name)
         return
     try:
         access = await etcd_access(spec, str(namespace), kube.read_secret)
@@ -332,11 +334,5 @@ async def delete_shard(*, namespace: str | None, name: str, spec: kopf.Spec, log
         metrics.PUBLISH_ERRORS.labels(etcd_error_kind(exc)).inc()
         delay = min(SETTINGS.retry_backoff_seconds * 2 ** retry, SETTINGS.retry_backoff_max)
         raise kopf.TemporaryError(f"etcd unavailable, keys kept: {exc}", delay=delay) from exc
-    if _has_gauge(str(namespace), name):
-        metrics.PLACEMENT_GENERATION.remove(str(namespace), name)
+    metrics.forget_shard(str(namespace), name)
     logger.info("removed %d etcd keys of %s/%s", deleted, namespace, name)
-
-
-def _has_gauge(namespace: str, name: str) -> bool:
-    return any(s.labels == {"namespace": namespace, "cacheshard": name}
-               for m in metrics.PLACEMENT_GENERATION.collect() for s in m.samples)

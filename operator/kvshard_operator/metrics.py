@@ -1,6 +1,12 @@
-"""Operator metrics, ``kvshard_operator_*`` (DESIGN §7): counts and durations, ratios in PromQL."""
+"""Operator metrics, ``kvshard_operator_*`` (DESIGN §7): counts and durations, ratios in PromQL.
+
+Per-CacheShard series carry one label, ``cacheshard="<namespace>/<name>"`` (:func:`shard_label`);
+deleting a CacheShard removes them all (:func:`forget_shard`), so a deleted shard leaves no stale gauge.
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -46,7 +52,7 @@ PLACEMENT_GENERATION = Gauge(
 )
 FIDELITY_DECISIONS = Counter(
     "kvshard_operator_fidelity_decisions",
-    "Fidelity controller intervals, by reason (BelowTarget, AboveTarget, MeetsTarget, AtMaxRatio, "
+    "Fidelity controller intervals, by reason (BelowTarget, AboveTarget, MeetsTarget, NotYetShown, AtMaxRatio, "
     "InsufficientSamples, PrometheusUnavailable).",
     ["reason"],
 )
@@ -65,3 +71,20 @@ FIDELITY_MAX_RATIO = Gauge(
     "spec.fidelity.maxRatioPercent as a fraction, per CacheShard.",
     ["cacheshard"],
 )
+
+
+PER_SHARD: tuple[Gauge, ...] = (PLACEMENT_GENERATION, BLEND_RATIO, FIDELITY_TARGET, FIDELITY_MAX_RATIO)
+"""Every metric labelled by CacheShard (its only label, ``cacheshard``)."""
+
+
+def shard_label(namespace: str, name: str) -> str:
+    """The ``cacheshard`` label value of a CacheShard, as on the router's and the sidecars' series."""
+    return f"{namespace}/{name}"
+
+
+def forget_shard(namespace: str, name: str) -> None:
+    """Remove every series of a deleted CacheShard from every per-CacheShard metric (absent ones are fine)."""
+    shard = shard_label(namespace, name)
+    for metric in PER_SHARD:
+        with contextlib.suppress(KeyError):  # older prometheus_client raised for a label set never used
+            metric.remove(shard)

@@ -223,7 +223,7 @@ async def rebalance_shard(
         metrics.REBALANCE_ACTIONS.labels(kind).inc(n)
     metrics.REBALANCES.labels("rebalance").inc()
     metrics.MOVED_REPLICAS.inc(kinds["replicate"] + kinds["move"])
-    metrics.PLACEMENT_GENERATION.labels(f"{namespace}/{name}").set(published)
+    metrics.PLACEMENT_GENERATION.labels(metrics.shard_label(str(namespace), name)).set(published)
     summary = summarize(result.actions)
     logger.info("rebalanced: published generation %d (%s): %s", published, summary,
                 "; ".join(f"{a.kind} {a.cluster} → {a.pod} ({a.reason})" for a in result.actions))

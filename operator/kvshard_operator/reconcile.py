@@ -399,7 +399,7 @@ async def reconcile(
                                 state.last_change, len(change.reassigned), change.moved_unchanged)
                 metrics.REBALANCES.labels(trigger).inc()
                 metrics.MOVED_REPLICAS.inc(moved)
-                metrics.PLACEMENT_GENERATION.labels(f"{namespace}/{name}").set(published)
+                metrics.PLACEMENT_GENERATION.labels(metrics.shard_label(str(namespace), name)).set(published)
                 logger.info("published generation %d: %d items, %d clusters on %d pods, %d replicas moved",
                             published, len(labels), len(clusters), len(live), moved)
     except etcd_store.GenerationConflictError as exc:

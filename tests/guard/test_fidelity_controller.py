@@ -48,7 +48,8 @@ def test_a_strict_target_raises_the_ratio_one_rung_per_interval_until_met() -> N
     ratios = [d.ratio for d in decisions]
     assert ratios[:3] == [0.2, 0.3, 0.3], ratios
     assert [d.reason for d in decisions[:2]] == ["BelowTarget", "BelowTarget"]
-    assert decisions[-1].status == "True" and decisions[-1].reason == "MeetsTarget"
+    # 58/60 at .3: 96.7 %, but the lower bound is 88.6 % < 95 %: held there, and not reported as met
+    assert (decisions[-1].status, decisions[-1].reason) == ("Unknown", "NotYetShown")
     assert all(abs(RATIO_LADDER.index(b.ratio) - RATIO_LADDER.index(a.ratio)) <= 1
                for a, b in zip(decisions, decisions[1:], strict=False))
     assert direction_changes(decisions) == 0
@@ -58,7 +59,7 @@ def test_a_lax_target_lowers_the_ratio_and_stops_where_the_bound_would_fail() ->
     decisions = replay(0.3, Target(0.70, min_ratio=0.0, max_ratio=1.0), MONOTONE)
     ratios = [d.ratio for d in decisions]
     assert ratios[:3] == [0.2, 0.15, 0.15], ratios  # 48/60: lower bound .68 < .70, so it stays at .15
-    assert decisions[0].reason == "AboveTarget" and decisions[2].reason == "MeetsTarget"
+    assert decisions[0].reason == "AboveTarget" and decisions[2].reason == "NotYetShown"
     assert direction_changes(decisions) == 0
 
 
@@ -101,4 +102,50 @@ def test_below_target_at_max_ratio_reports_at_max_ratio_and_holds() -> None:
 
 def test_an_inconclusive_shortfall_holds_without_stepping() -> None:
     decision = decide(0.2, Counts(55, 5), Target(0.95))  # 91.7 %, CI up to 96.4 %: not significant
-    assert (decision.step, decision.status, decision.reason) == (0, "False", "BelowTarget")
+    assert (decision.ratio, decision.step, decision.status, decision.reason) == (0.2, 0, "Unknown", "NotYetShown")
+
+
+# ------------------------------------------------------------------ FidelityMet: met, missed, not yet shown
+
+
+def test_five_of_five_is_not_shown_to_meet_a_90_percent_target() -> None:
+    """5/5 agree: a 100 % point estimate, but the Wilson lower bound is 56 %: "not shown to miss" is not
+    "met". The ratio is held (as before): only the condition changes."""
+    decision = decide(0.3, Counts(5, 0), Target(0.90, min_samples=5))
+    assert decision.lower is not None and decision.lower < 0.90 <= (decision.upper or 0)
+    assert (decision.ratio, decision.step, decision.status, decision.reason) == (0.3, 0, "Unknown", "NotYetShown")
+    assert "straddles" in decision.message
+
+
+def test_a_large_sample_well_above_the_target_is_met() -> None:
+    decision = decide(0.3, Counts(980, 20), Target(0.90, min_ratio=0.3))  # lower bound 96.9 %
+    assert decision.lower is not None and decision.lower >= 0.90
+    assert (decision.ratio, decision.step, decision.status, decision.reason) == (0.3, 0, "True", "MeetsTarget")
+    lowered = decide(0.3, Counts(980, 20), Target(0.90))  # a rung below is allowed: still met, and it steps down
+    assert (lowered.step, lowered.status, lowered.reason) == (-1, "True", "AboveTarget")
+
+
+def test_a_large_sample_well_below_the_target_is_missed() -> None:
+    decision = decide(0.3, Counts(700, 300), Target(0.90, max_ratio=0.3))  # upper bound 72.8 %
+    assert decision.upper is not None and decision.upper < 0.90
+    assert (decision.ratio, decision.step, decision.status, decision.reason) == (0.3, 0, "False", "AtMaxRatio")
+    raised = decide(0.3, Counts(700, 300), Target(0.90))
+    assert (raised.step, raised.status, raised.reason) == (1, "False", "BelowTarget")
+
+
+def test_met_within_the_margin_is_met_but_holds() -> None:
+    """Lower bound at or above the target but not by ``margin``: True/MeetsTarget, no step down."""
+    decision = decide(0.3, Counts(980, 20), Target(0.95, margin=0.05))  # lower 96.9 % ≥ 95 %, < 100 %
+    assert (decision.step, decision.status, decision.reason) == (0, "True", "MeetsTarget")
+
+
+def test_the_straddling_interval_reaches_the_condition_the_guard_writes() -> None:
+    from kvshard import blend_policy as bp
+    from kvshard_operator import guard
+
+    decision = decide(0.3, Counts(5, 0), Target(0.90, min_samples=5))
+    fidelity = {"targetAgreementPercent": 90, "windowSeconds": 60}
+    status = guard._status({}, 3, bp.BlendPolicy("tail", 0.3, 0.1), fidelity, decision, 0.0)
+    met = [c for c in status["conditions"] if c["type"] == guard.FIDELITY_MET]
+    assert [(c["status"], c["reason"]) for c in met] == [("Unknown", "NotYetShown")]
+    assert status["fidelity"]["lowerBoundPercent"] == 56 and status["fidelity"]["agreementPercent"] == 100

@@ -1,4 +1,5 @@
-"""`kvshard operator run`'s settings: the shared helper's flags and env, and the handlers get them all."""
+"""`kvshard operator run`'s settings: the shared helper's flags and env, and every flag group reaches what
+uses it (the probe, ``operator_run_probe.py``, runs the CLI in one fresh process)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,32 +55,85 @@ def test_a_flag_beats_the_environment_which_beats_the_default() -> None:
         Settings.from_env({"KVSHARD_OPERATOR_PEERING": "perhaps"})
 
 
-HANDLERS_SETTINGS = """
-import json, sys
-import kopf
-from kvshard.cli import build_parser
-from kvshard_operator import main
-argv = ["operator", "run", *sys.argv[1:]]
-main.configure(build_parser(argv).parse_args(argv))
-from kvshard_operator import handlers
-intervals = {h.id: h.interval for h in kopf.get_default_registry()._spawning.get_all_handlers()}
-print(json.dumps({"pod_sync_seconds": handlers.SETTINGS.pod_sync_seconds, "seed": handlers.SETTINGS.seed,
-                  "warm_check_seconds": handlers.SETTINGS.warm_check_seconds,
-                  "embedding_image": handlers.SETTINGS.embedding_image, "follow_pods": intervals["follow_pods"]}))
-"""
+PROBE = Path(__file__).with_name("operator_run_probe.py")
+ENVIRONMENT = {"KVSHARD_OPERATOR_SEED": "9", "KVSHARD_OPERATOR_WARM_CHECK_SECONDS": "1.5"}
+"""The seed is also a flag (the flag wins); the warm check is not (the environment beats the default)."""
 
 
-def test_a_flag_of_operator_run_reaches_the_handlers_and_their_timers() -> None:
-    """Handlers read their settings at import (kopf fixes timer intervals then): `kvshard operator run`
-    configures them first, so every flag counts, not only those once handed over through the env. A
-    fresh process, as `kvshard operator run` is one."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(ENV_PREFIX)}
-    env |= {"KVSHARD_OPERATOR_SEED": "9", "KVSHARD_OPERATOR_POD_SYNC_SECONDS": "3",
-            "KVSHARD_OPERATOR_WARM_CHECK_SECONDS": "1.5"}
-    done = subprocess.run([sys.executable, "-c", HANDLERS_SETTINGS, "--pod-sync-seconds", "0.7", "--seed", "5",
-                           "--embedding-image", "kvshard:test"],
-                          capture_output=True, text=True, env=env, timeout=120)
+def flags(root: Path) -> tuple[list[str], dict[str, Any]]:
+    """A value unlike the default for every setting, as ``kvshard operator run`` flags, and the settings
+    they (with :data:`ENVIRONMENT`) must give the handlers."""
+    given: dict[str, Any] = {
+        "namespaces": ("a", "b"), "finalizer": "test.kvshard.io/cleanup", "annotation_prefix": "test.kvshard.io",
+        "peering": True, "liveness_endpoint": "http://127.0.0.1:18080/live", "metrics_port": 19191,
+        "seed": 5, "slack_percent": 25, "recluster_imbalance_percent": 120, "cooccurrence_percent": 30,
+        "large_placement_items": 10, "kv_bytes_per_token": 1000,
+        "pod_sync_seconds": 0.7, "catalog_check_seconds": 6.5, "rebalance_check_seconds": 4.5,
+        "rebalance_window_seconds": 45.0, "fidelity_check_seconds": 2.5, "prometheus_timeout_seconds": 1.25,
+        "etcd_timeout_seconds": 0.25, "retry_backoff_seconds": 0.4, "retry_backoff_max": 3.0,
+        "embedding_volume_claim": "test-claim", "embedding_root": str(root), "embedding_image": "kvshard:test",
+        "embedding_cpu": "1500m", "embedding_memory": "2Gi", "embedding_parallelism": 3,
+        "embedding_chunk_items": 4, "embedding_backoff_limit": 2, "embedding_poll_seconds": 7.5,
+    }
+    argv: list[str] = []
+    for name, value in given.items():
+        if name == "namespaces":
+            argv += [arg for namespace in value for arg in ("-n", namespace)]
+        elif isinstance(value, bool):
+            argv.append(f"--{name.replace('_', '-')}" if value else f"--no-{name.replace('_', '-')}")
+        else:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv, {**given, "warm_check_seconds": 1.5}
+
+
+def test_each_flag_group_of_operator_run_reaches_what_uses_it(tmp_path: Path) -> None:
+    """Issue 41: `kvshard operator run --recluster-imbalance-percent …` was parsed and never used. Here
+    `kvshard operator run` runs (kopf.run stubbed, no Kubernetes API) with a non-default value for every
+    setting, in a fresh process as a real run is one (handlers read their settings at import: kopf fixes
+    timer intervals at registration), and each flag group is followed to what uses it."""
+    argv, expected = flags(tmp_path / "embeddings")
+    defaults = Settings()
+    assert {f.name for f in dataclasses.fields(Settings)} == set(expected), "a setting this test does not cover"
+    assert [name for name, value in expected.items() if getattr(defaults, name) == value] == [], \
+        "every setting must differ from its default, or the test cannot tell that its flag counted"
+    env = {key: value for key, value in os.environ.items() if not key.startswith(ENV_PREFIX)} | ENVIRONMENT
+    done = subprocess.run([sys.executable, str(PROBE), *argv], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen == {"pod_sync_seconds": 0.7, "seed": 5, "warm_check_seconds": 1.5, "embedding_image": "kvshard:test",
-                    "follow_pods": 0.7}
+    assert seen["code"] == 0
+    # every flag (and the environment under it) is in the handlers' settings
+    assert seen["settings"] == {**expected, "namespaces": ["a", "b"]}
+
+    # kopf: namespaces, peering, liveness, metrics port; the finalizer and the annotations kopf keeps
+    assert seen["kopf"] == {
+        "run": {"clusterwide": False, "namespaces": ["a", "b"], "standalone": False,
+                "liveness_endpoint": "http://127.0.0.1:18080/live"},
+        "metrics_port": 19191, "finalizer": "test.kvshard.io/cleanup", "progress_prefix": "test.kvshard.io",
+        "diffbase_prefix": "test.kvshard.io", "standalone": False}
+
+    # timers and intervals: kopf's registry, and the rebalancer's PromQL window and Prometheus deadline
+    timers = seen["timers"]
+    assert timers["timers"] == {"follow_pods": [0.7, 0.7], "follow_catalog": [6.5, 6.5], "rebalance": [4.5, 4.5],
+                                "colocate": [4.5, 4.5], "follow_fidelity": [2.5, 2.5], "follow_warm": [1.5, 1.5]}
+    assert (timers["rebalance_outcome"], timers["promql_window"], timers["prometheus_timeout"]) == (
+        "PrometheusUnavailable", 45.0, 1.25)
+
+    # placement: the clustering run with the seed, slack and co-occurrence flags, by the large-catalog path
+    # (24 items >= 10); a catalog change that leaves 133 % imbalance re-clusters at 120 % (the default 150 %
+    # would keep the diff: the issue's --recluster-imbalance-percent); KV bytes per token
+    placement = seen["placement"]
+    assert placement["cluster_key"] == {"seed": 5, "slack_percent": 25, "cooccurrence_percent": 30, "large": True}
+    assert placement["labelled"] == 24
+    change = placement["catalog_change"]
+    assert change["drift_percent"] == 133 and len(change["reclustered"]) == 1, change
+    assert change["reclustered"][0].startswith("catalog drifted to 133 % imbalance (> 120 %): re-clustered")
+    assert placement["bytes"] == [1000 * b for b in placement["bytes_per_1"]] and placement["bytes"]
+
+    # etcd and retry: the delete handler's etcd deadline, and its delays 0.4 · 2^retry up to 3 s
+    assert seen["etcd"] == {"store_timeouts": [0.25], "retry_delays": [0.4, 0.8, 3.0]}
+
+    # embedding: the Job the reconciler creates (18 items in chunks of 4: 5 completions), and its polling
+    assert seen["embedding"] == {
+        "retry_after": 7.5, "completions": 5, "parallelism": 3, "backoff_limit": 2, "image": "kvshard:test",
+        "resources": {"requests": {"cpu": "1500m", "memory": "2Gi"}, "limits": {"memory": "2Gi"}},
+        "mount": str(tmp_path / "embeddings"), "claim": "test-claim"}
