@@ -1,4 +1,6 @@
-"""Catalog versions: what the operator publishes and every pod of a CacheShard reads (DESIGN §6, §9).
+"""Catalog versions: what the operator publishes and every pod of a CacheShard reads.
+
+See docs/architecture.md#etcd-layout and docs/operator.md#your-catalog-your-prompt.
 
 One source of truth. The operator reads ``spec.catalog`` (built-in, ConfigMap, file or URL),
 checks it, and publishes it to etcd as a *content-addressed version* beside the placement
@@ -36,7 +38,7 @@ from typing import Any
 from kvshard.datasets import Item
 
 SCHEMA = 1
-MAX_VALUE_BYTES = 1 << 20  # etcd values, DESIGN §6
+MAX_VALUE_BYTES = 1 << 20  # etcd values, docs/architecture.md#etcd-layout
 _CHUNK_TARGET = MAX_VALUE_BYTES - 4096
 MAX_ID_CHARS = 256
 MAX_TEXT_CHARS = 4096

@@ -1,4 +1,4 @@
-"""The etcd key layout of a CacheShard (DESIGN §6): pure functions, shared by every component.
+"""The etcd key layout of a CacheShard (docs/architecture.md#etcd-layout): pure functions, shared by every component.
 
 Why its own module: the layout is the contract between the operator, the router and the sidecars,
 and tests and tools name keys without talking to etcd; :mod:`kvshard.etcd_store` is the only module

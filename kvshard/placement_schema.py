@@ -1,7 +1,7 @@
 """The placement data model shared by the operator (writer), the router and the sidecars (readers).
 
 A :class:`Placement` is one *generation*: which pods hold each item cluster, which cluster each item
-belongs to, and how user-history blocks are kept. It is stored in etcd (DESIGN §6) as one
+belongs to, and how user-history blocks are kept. It is stored in etcd (docs/architecture.md#etcd-layout) as one
 ``assignment`` value plus ``items/<chunk>`` values, every value ≤ :data:`MAX_VALUE_BYTES` because
 etcd refuses larger requests (1.5 MiB default) and big values stall its raft log.
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 SCHEMA = 1
-MAX_VALUE_BYTES = 1 << 20  # 1 MiB, DESIGN §6
+MAX_VALUE_BYTES = 1 << 20  # 1 MiB, docs/architecture.md#etcd-layout
 _CHUNK_TARGET = MAX_VALUE_BYTES - 4096  # room for the JSON wrapper
 
 

@@ -17,7 +17,8 @@ expectation.
 
 TTFT is the median over requests with every block already cached (each prompt is blended once,
 cold, before the timed runs); the cold path (blocks computed, then stored) is a separate row.
-``ideal_speedup`` is full's token-layers over the method's (DESIGN §4's cost model). Methods run
+``ideal_speedup`` is full's token-layers over the method's (the cost model of
+docs/blending-and-fidelity.md#how-a-blend-works). Methods run
 interleaved per request so a noisy neighbour slows all of them alike.
 
 Methods are named (:mod:`kvshard_sidecar.engine.methods`): the selectors, the baselines ``cacheblend``

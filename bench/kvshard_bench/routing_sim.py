@@ -17,7 +17,8 @@ instead (``--embeddings minilm``; slow on a CPU the first time, cached afterward
 
 **Pods.** Each pod is one FIFO server (a vLLM engine serving one prefill at a time). Its cache holds the
 item blocks of the clusters it has *warmed* (placement) plus an LRU of ``lru_slack`` × (catalog / pods)
-other item blocks it computed or fetched; user-history blocks are replicated to every pod (DESIGN §5),
+other item blocks it computed or fetched; user-history blocks are replicated to every pod
+(docs/architecture.md#placement-and-scheduling),
 so they are hits for every policy. Service time = ``decode_ms`` + ``full_ms`` per uncached token +
 ``cached_ms`` per cached token (blending recomputes ~15 % of them and loads the rest) + ``full_ms`` for
 the fixed system/question tokens. Token counts per item are ⌈characters/4⌉ + 2 (label and newline).

@@ -1,6 +1,6 @@
 """Item embeddings with all-MiniLM-L6-v2 — a six-layer BERT in numpy, so the operator needs no torch.
 
-The operator image must stay small (no torch, DESIGN §2), and embedding a catalog is a one-off
+The operator image must stay small (no torch, docs/architecture.md#components), and embedding a catalog is a one-off
 batch job, so the forward pass is written out here over the model's safetensors weights (read with
 numpy, no ``safetensors`` dependency) and the Rust ``tokenizers`` library: embeddings →
 6 × (self-attention, feed-forward, post-LayerNorm) → mean pooling over real tokens → L2 normalise,

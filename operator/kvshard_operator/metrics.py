@@ -1,4 +1,4 @@
-"""Operator metrics, ``kvshard_operator_*`` (DESIGN §7): counts and durations, ratios in PromQL.
+"""Operator metrics, ``kvshard_operator_*`` (docs/architecture.md#metrics): counts and durations, ratios in PromQL.
 
 Per-CacheShard series carry one label, ``cacheshard="<namespace>/<name>"`` (:func:`shard_label`);
 deleting a CacheShard removes them all (:func:`forget_shard`), so a deleted shard leaves no stale gauge.

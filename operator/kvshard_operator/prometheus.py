@@ -1,6 +1,6 @@
 """What the rebalancer reads from Prometheus: one instant-query client and the PromQL, in one place.
 
-The router and the sidecars export *counters* (DESIGN §7); rates and ratios are computed here, in
+The router and the sidecars export *counters* (docs/architecture.md#metrics); rates and ratios are computed here, in
 PromQL, over a window ``W`` (the CacheShard's rebalance interval unless configured otherwise; keep it
 at least 4× the scrape interval so ``rate()`` always has several samples):
 

@@ -15,8 +15,9 @@ good pods the least loaded one wins.
   common prefix of this prompt's *segment sequence* (system, the user's history block, then the
   candidates in prompt order). It remembers at most ``capacity`` prefixes (LRU), so memory is bounded.
   Because candidates differ between requests, in practice it keeps a user on one pod.
-* ``affinity`` — kvshard's scheduler (DESIGN §5): score(p) = Σ cached tokens of the request's blocks on
-  p (history blocks everywhere, item blocks by placement) − λ · in-flight(p); highest score wins.
+* ``affinity`` — kvshard's scheduler (docs/architecture.md#placement-and-scheduling): score(p) = Σ cached
+  tokens of the request's blocks on p (history blocks everywhere, item blocks by placement) − λ · in-flight(p);
+  highest score wins.
   Given a :class:`BacklogView` (the router's :class:`~kvshard_router.backlog.Backlog`) instead of bare
   in-flight counts, score(p) = −cost(p): the pod's backlog plus the request's work there (cached
   tokens at their blending cost), i.e. where the request is expected to be done first.

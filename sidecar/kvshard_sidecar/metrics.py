@@ -1,4 +1,4 @@
-"""Prometheus metrics of one sidecar (names per DESIGN §7).
+"""Prometheus metrics of one sidecar (names per docs/architecture.md#metrics).
 
 Counts, never rates: hit *ratios* are PromQL (``rate(hit_tokens) / rate(query_tokens)``), as vLLM
 exports its prefix-cache pair. Every series carries ``model_name`` so dashboards join on vLLM's own

