@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 KEY_SCHEME = b"kvshard-block-v1"
@@ -147,8 +147,3 @@ class Prompt:
         for segment in self.segments:
             counts[segment.kind] = counts.get(segment.kind, 0) + len(segment)
         return counts
-
-
-def concat_token_ids(segments: Sequence[Segment]) -> list[int]:
-    """The token ids of a prompt made of ``segments`` (the definition of a prompt's tokens)."""
-    return Prompt(tuple(segments)).token_ids

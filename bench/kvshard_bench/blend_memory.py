@@ -4,7 +4,7 @@ Python's ``tracemalloc`` does not see torch's allocations, and ``ru_maxrss`` onl
 the probe runs in a child process with glibc's mmap threshold pinned (large tensors are mmapped and
 go back to the OS when freed) and resets the kernel's peak-RSS counter (``/proc/self/clear_refs``,
 value 5) before each method: ``peak - baseline`` is then what that prefill added on top of the model
-and the cached blocks. The target (DESIGN/issue 3) is blended ≤ full + the blended KV's bytes.
+and the cached blocks. The target (issue 3) is blended ≤ full + the blended KV's bytes.
 """
 
 from __future__ import annotations

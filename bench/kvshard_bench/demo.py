@@ -92,7 +92,6 @@ class DemoSettings:
     pairs: int = 20
     hot_clusters: int = 2
     burst_timeout_s: float = 150.0
-    warm_timeout_s: float = 300.0
     seed: int = 0
     fidelity_target: int = 90
     """spec.fidelity.targetAgreementPercent (0: no fidelity guard)."""

@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -61,6 +62,14 @@ def _etcd_tls_files(cluster: LocalCluster) -> dict[str, str]:
     return {} if c is None else {"ca": str(c.ca), "cert": str(c.client_cert), "key": str(c.client_key)}
 
 
+
+def _write_state(state_file: Path, cluster: LocalCluster) -> None:
+    """Replace ``cluster.json`` whole: `down`, `scale` and tests read it while `up` runs, and must never
+    see it empty or half written."""
+    partial = state_file.with_name(state_file.name + ".partial")
+    partial.write_text(json.dumps(state(cluster), indent=2))
+    partial.replace(state_file)
+
 def up(args: argparse.Namespace) -> int:
     """``kvshard up``: run the cluster until Ctrl-C/SIGTERM."""
     try:
@@ -82,13 +91,13 @@ def up(args: argparse.Namespace) -> int:
     state_file = cluster.run_dir / STATE_FILE
     code = 0
     try:
-        state_file.write_text(json.dumps(state(cluster), indent=2))  # `down` works while starting, too
+        _write_state(state_file, cluster)  # `down` works while starting, too
         cluster.start()
-        state_file.write_text(json.dumps(state(cluster), indent=2))
+        _write_state(state_file, cluster)
         print(table(cluster.processes()), flush=True)
         if not args.no_wait:
             cluster.wait_ready(settings.start_timeout_seconds, progress=lambda line: print(line, flush=True))
-        state_file.write_text(json.dumps(state(cluster), indent=2))  # a sidecar may have restarted meanwhile
+        _write_state(state_file, cluster)  # a sidecar may have restarted meanwhile
         print(f"\nlocal cluster up in {cluster.run_dir}\n  router      {cluster.router_url}\n"
               f"  prometheus  {cluster.prometheus_url}\n  kubeconfig  {cluster.kubeconfig}\n"
               f"  etcd        {cluster.etcd_endpoint} (TLS: {' '.join(cluster.etcd_client_flags)})\n"
@@ -97,7 +106,7 @@ def up(args: argparse.Namespace) -> int:
             time.sleep(1.0)
             cluster.check_alive()
             if serve_scale_request(cluster):
-                state_file.write_text(json.dumps(state(cluster), indent=2))
+                _write_state(state_file, cluster)
     except KeyboardInterrupt:
         print("stopping the local cluster…", flush=True)
     except (ClusterStartError, ProcessStartError, TimeoutError) as exc:

@@ -20,64 +20,50 @@ etcd serves TLS and demands client certificates, as in a cluster: its CA and one
 are made at start (``<run>/etcd/tls``); the router and the sidecars get the files as flags, the
 operator reads them from the Secret :data:`ETCD_TLS_SECRET` that ``spec.etcd.tls`` names — the
 chart wires them the same way.
+
+This module is the cluster's lifecycle: what starts in which order, what is waited for, and stopping
+it all. How each part's process is made is :mod:`kvshard_local.cluster_processes`; watching and
+operating a running cluster (readiness, faults) is :mod:`kvshard_local.cluster_ops`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import concurrent.futures
 import dataclasses
-import importlib.util
 import logging
-import os
 import secrets
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import yaml
 
-from kvshard import etcd_store
-from kvshard import placement_schema as ps
-from kvshard import settings as settings_lib
 from kvshard.etcd_tls import EtcdTLS
-from kvshard.models import model_blend, model_prompt, model_scorer, prompt_for_model, resolve_model
-from kvshard.processes import ManagedProcess, ProcessStartError, http_ok
+from kvshard.models import model_blend, model_prompt, prompt_for_model, resolve_model
+from kvshard.processes import ManagedProcess, http_ok
 from kvshard_local import job_controller, manifests
 from kvshard_local.certificates import EtcdCertificates
-from kvshard_local.kubeapi import CACHESHARDS, KubeApi, condition
-from kvshard_local.kubelet import Kubelet, PodContainers, PodProcess
-from kvshard_local.run_folder import (
-    ProcessInfo,
-    RunFolderLock,
-    forget_previous_run,
-    process_start_time,
-)
+from kvshard_local.cluster_ops import ClusterOps
+from kvshard_local.cluster_processes import HOST, ClusterProcesses, ClusterStartError, cli_command
+from kvshard_local.kubeapi import CACHESHARDS, KubeApi
+from kvshard_local.kubelet import Kubelet, PodProcess
+from kvshard_local.run_folder import RunFolderLock, forget_previous_run
 from kvshard_local.scaling import LocalAutoscaler, ScaleChange, local_rules, scale_pods
 from kvshard_local.settings import LocalClusterSettings
-from kvshard_local.testing_servers import EtcdServer, PrometheusServer, free_port, free_ports
+from kvshard_local.testing_servers import EtcdServer, PrometheusServer, free_ports
+
+__all__ = ["ETCD_TLS_SECRET", "ClusterStartError", "LocalCluster"]
 
 log = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 ETCD_TLS_SECRET = "kvshard-etcd-client"
 """The Secret (``ca.crt``, ``tls.crt``, ``tls.key``) the local CacheShard's ``spec.etcd.tls`` names."""
 SECRETS = "/api/v1/namespaces/{ns}/secrets"
-VLLM_KV_CACHE_GIB = "1"
-"""``VLLM_CPU_KVCACHE_SPACE`` of each pod's vLLM: a recommendation's K candidates at a few hundred tokens
-each fit many times over, and N pods' vLLMs must fit one small machine."""
-class ClusterStartError(RuntimeError):
-    """A part of the cluster did not come up; the message names it and carries its log's tail."""
-
-
-def _cli(*words: str) -> list[str]:
-    return [sys.executable, "-m", "kvshard.cli", *words]
 
 
 def _answers(url: str) -> bool:
@@ -91,7 +77,8 @@ def _answers(url: str) -> bool:
         return False
 
 
-class LocalCluster:
+
+class LocalCluster(ClusterProcesses, ClusterOps):
     """etcd, a Kubernetes API, the operator, N sidecars, Prometheus and the router on loopback."""
 
     def __init__(self, settings: LocalClusterSettings | None = None, **overrides: Any) -> None:
@@ -181,9 +168,9 @@ class LocalCluster:
             self.jobs = job_controller.JobController(self.api, self.namespace, self.logs_dir)
             self.jobs.start()
         log.info("starting the operator")
-        operator = self._spawn("operator", _cli("operator", "run", "--metrics-port",
-                                                str(self._ports["operator_metrics"]),
-                                                "--liveness-endpoint", self.operator_health_url),
+        operator = self._spawn("operator", cli_command("operator", "run", "--metrics-port",
+                                                       str(self._ports["operator_metrics"]),
+                                                       "--liveness-endpoint", self.operator_health_url),
                                ready_url=self.operator_health_url, env=self._operator_env(), wait=False)
 
         log.info("starting %d sidecars%s", self.settings.pods,
@@ -206,10 +193,11 @@ class LocalCluster:
         self._link_log("prometheus", self._prometheus.log_path)
 
         log.info("starting the router on %s", self.router_url)
-        router = self._spawn("router", _cli("router", "serve", "--host", HOST, "--port", str(self._ports["router"]),
-                                            "--etcd-endpoints", self.etcd_endpoint, *self.etcd_client_flags,
-                                            "--cacheshard", f"{self.namespace}/{self.name}",
-                                            "--policy", self.settings.router_policy),
+        router = self._spawn("router", cli_command("router", "serve", "--host", HOST,
+                                                   "--port", str(self._ports["router"]),
+                                                   "--etcd-endpoints", self.etcd_endpoint, *self.etcd_client_flags,
+                                                   "--cacheshard", f"{self.namespace}/{self.name}",
+                                                   "--policy", self.settings.router_policy),
                              ready_url=self.router_url + "/readyz", wait=False)
         self._wait(lambda: _answers(self.router_url + "/readyz"), 60, "the router to listen", router)
 
@@ -268,134 +256,6 @@ class LocalCluster:
                  tb: TracebackType | None) -> None:
         self.stop()
 
-    # ------------------------------------------------------------------------------- readiness
-
-    def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] = print) -> None:
-        """Wait until the CacheShard is Ready, the router's ``/readyz`` is 200 and every pod of the
-        current generation has warmed all its clusters; ``progress`` gets a line whenever the
-        picture changes. Raises :class:`TimeoutError` naming what is still missing."""
-        deadline = time.monotonic() + timeout
-        last = ""
-        while True:
-            missing, picture = self._readiness()
-            line = "; ".join(missing) + (f" | {picture}" if picture else "")
-            if line != last:
-                progress(f"waiting: {line}" if missing else f"ready: {picture or 'all parts up'}")
-                last = line
-            if not missing:
-                return
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"local cluster not ready after {timeout:.0f} s: {line}")
-            self.check_alive()
-            time.sleep(1.0)
-
-    def _readiness(self) -> tuple[list[str], str]:
-        missing: list[str] = []
-        ready = condition(self.cacheshard(), "Ready")
-        if ready.get("status") != "True":
-            missing.append(f"CacheShard Ready={ready.get('status', '?')} ({ready.get('reason', 'not reconciled')})")
-        if not http_ok(self.router_url + "/readyz"):
-            missing.append("router /readyz")
-        picture = ""
-        placement, reports = self.warm_reports()
-        if placement is None:
-            missing.append("no placement in etcd")
-        else:
-            parts = []
-            for pod in placement.pods:
-                want = len(placement.clusters_of(pod))
-                report = reports.get(pod)
-                current = report is not None and report.generation == placement.generation
-                warm = len(report.clusters) if report is not None and current else 0
-                if not current or report is None or report.warming:
-                    missing.append(f"{pod} warming")
-                parts.append(f"{pod} {warm}/{want}")
-            picture = f"generation {placement.generation}: " + ", ".join(parts) + " clusters warm"
-        return missing, picture
-
-    def check_alive(self) -> None:
-        """Raise :class:`ClusterStartError` if a process other than a sidecar exited (the kubelet
-        restarts sidecars; nothing restarts the operator, the router or the API)."""
-        for name, process in self._processes.items():
-            if not process.running:
-                raise ClusterStartError(f"{name} exited:\n{process.log_tail()}")
-
-    # ------------------------------------------------------------------------------- observing
-
-    @property
-    def kubeconfig(self) -> Path:
-        return self.run_dir / "kubeconfig"
-
-    @property
-    def peer_token_file(self) -> Path:
-        """The token sidecars demand of each other on ``GET /v1/blocks/{key}``."""
-        return self.run_dir / "peer-token"
-
-    def cacheshard(self) -> dict[str, Any]:
-        """The CacheShard object, status included, as the API holds it ({} before it is applied)."""
-        obj = self.api.get(CACHESHARDS.format(ns=self.namespace) + f"/{self.name}")
-        return dict(obj or {})
-
-    def warm_reports(self) -> tuple[ps.Placement | None, dict[str, ps.WarmReport]]:
-        """The current placement and every pod's warm report, from etcd."""
-
-        async def read() -> tuple[ps.Placement | None, dict[str, ps.WarmReport]]:
-            async with self.etcd_store(timeout=2.0, attempts=1) as store:
-                return (await store.read_current(self.namespace, self.name),
-                        await store.read_warm(self.namespace, self.name))
-
-        return asyncio.run(read())
-
-    def etcd_store(self, **kwargs: Any) -> etcd_store.EtcdStore:
-        """An :class:`~kvshard.etcd_store.EtcdStore` on this cluster's etcd, with its client certificate."""
-        return etcd_store.EtcdStore([self.etcd_endpoint], tls=self.etcd_tls, **kwargs)
-
-    def pod_ready(self, pod: str) -> bool:
-        """The pod's ``Ready`` condition as the API holds it."""
-        obj = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
-        return condition(obj, "Ready").get("status") == "True"
-
-    def kill_pod(self, name: str) -> None:
-        """SIGKILL the pod's sidecar, and its vLLM with ``engine: vllm`` (a crash of the pod); the kubelet
-        marks it not ready and restarts it (a vLLM's restart takes its start time again)."""
-        if self._kubelet is None:
-            raise RuntimeError("the cluster is not running")
-        if name not in self._kubelet.pods:
-            raise KeyError(f"no pod {name!r} (pods: {', '.join(self._kubelet.pods)})")
-        self._kubelet.kill(name)
-
-    def pod_disk_dir(self, pod: str) -> Path:
-        """The pod's disk tier folder (``<run>/blocks/<pod>``); it outlives the pod's restarts."""
-        return self.run_dir / "blocks" / pod
-
-    def stop_etcd(self) -> None:
-        """Stop etcd (an outage); its data and port stay for :meth:`start_etcd`."""
-        if self._etcd is None:
-            raise RuntimeError("the cluster is not running")
-        self._etcd.stop()
-        log.info("etcd stopped")
-
-    def start_etcd(self) -> None:
-        """Start etcd again on the same port with the same data, after :meth:`stop_etcd`."""
-        if self._etcd is None:
-            raise RuntimeError("the cluster is not running")
-        self._etcd.start()
-        log.info("etcd started again on %s", self.etcd_endpoint)
-
-    def start_operator(self, name: str) -> ManagedProcess:
-        """One more operator process as the cluster's own is run (same API, same settings) on free
-        ports, e.g. to race two replicas; :meth:`stop_operator` stops it, :meth:`stop` too."""
-        if name in self._processes:
-            raise ValueError(f"a process named {name!r} already runs")
-        health_port, metrics_port = free_ports(2)
-        health_url = f"http://{HOST}:{health_port}/healthz"
-        command = _cli("operator", "run", "--metrics-port", str(metrics_port), "--liveness-endpoint", health_url)
-        return self._spawn(name, command, ready_url=health_url, env=self._operator_env(), timeout=120)
-
-    def stop_operator(self, name: str) -> None:
-        """Stop an operator started by :meth:`start_operator`."""
-        self._processes.pop(name).stop()
-
     def scale(self, pods: int, *, drain_timeout: float = 60.0) -> ScaleChange:
         """Run ``pods`` sidecar pods, adding or removing the highest ordinals as a StatefulSet does:
         a new pod starts, the operator places it, it warms and the router routes to it once warm; a
@@ -403,134 +263,12 @@ class LocalCluster:
         its Pod object is deleted. Returns once the pods run (not once the new ones are warm)."""
         return scale_pods(self, pods, drain_timeout=drain_timeout)
 
-    def write_prometheus_config(self) -> Path:
-        """``<run>/prometheus.yml`` for the pods that run now (Prometheus re-reads it on reload)."""
-        config = self.run_dir / "prometheus.yml"
-        config.write_text(yaml.safe_dump(manifests.prometheus_config(
-            scrape_interval_seconds=self.settings.scrape_interval_seconds,
-            sidecars={pod: url.split("//", 1)[1] for pod, url in self.sidecar_urls.items()},
-            router=self.router_url.split("//", 1)[1],
-            operator=f"{HOST}:{self._ports['operator_metrics']}", namespace=self.namespace)))
-        if self._prometheus is not None and self._prometheus.pid is not None:
-            self._prometheus.reload()
-        return config
-
-    def restarts(self, pod: str) -> int:
-        return self._kubelet.pods[pod].restarts if self._kubelet is not None else 0
-
-    def processes(self) -> list[ProcessInfo]:
-        """Every process of the cluster that runs now, with its URL and log."""
-        rows: list[tuple[str, int | None, str, Path, bool]] = []
-        if self._etcd is not None:
-            rows.append(("etcd", self._etcd.pid, self._etcd.url, self.logs_dir / "etcd.log", False))
-        urls = {"kube-api": self.kube_url, "operator": self.operator_metrics_url, "router": self.router_url}
-        for name, process in self._processes.items():
-            rows.append((name, process.pid, urls.get(name, ""), process.log_path, True))
-        if self._kubelet is not None:
-            for pod in self._kubelet.pods.values():
-                rows.append((pod.name, pod.process.pid, pod.url, pod.process.log_path, True))
-                if isinstance(pod.process, PodContainers):  # its vLLM: `kvshard down` must find it too
-                    for companion in pod.process.companions:
-                        rows.append((f"{pod.name}/vllm", companion.pid, companion.ready_url.rsplit("/", 1)[0],
-                                     companion.log_path, True))
-        if self._prometheus is not None:
-            rows.append(("prometheus", self._prometheus.pid, self._prometheus.url,
-                         self.logs_dir / "prometheus.log", False))
-        infos = []
-        for name, pid, url, log_path, group in rows:
-            started = process_start_time(pid) if pid is not None else None
-            if pid is not None and started is not None:
-                infos.append(ProcessInfo(name, pid, url, str(log_path), group, started))
-        return infos
-
     # ------------------------------------------------------------------------------- helpers
 
     def acquire(self) -> None:
         """Hold the run folder (:class:`~kvshard_local.run_folder.RunFolderLock`) or raise
         :class:`ClusterAlreadyRunningError` naming the ``kvshard up`` that holds it."""
         self._run_lock.acquire()
-
-    def _link_log(self, name: str, target: Path) -> None:
-        link = self.logs_dir / f"{name}.log"
-        if not link.exists():
-            link.symlink_to(target)
-
-    def _spawn(self, name: str, command: list[str], *, ready_url: str, env: dict[str, str] | None = None,
-               timeout: float = 60.0, wait: bool = True) -> ManagedProcess:
-        process = ManagedProcess(command, self.logs_dir / f"{name}.log", ready_url,
-                                 env={**os.environ, **(env or {})}, start_timeout=timeout)
-        self._processes[name] = process
-        try:
-            process.start(wait=wait)
-        except ProcessStartError as exc:
-            raise ClusterStartError(f"{name} did not start: {exc}") from None
-        return process
-
-    def _operator_env(self) -> dict[str, str]:
-        return {
-            "KUBECONFIG": str(self.kubeconfig),
-            # clusters follow co-occurrence in user histories (built-in catalogs carry them)
-            "KVSHARD_OPERATOR_COOCCURRENCE_PERCENT": "50",
-            "KVSHARD_OPERATOR_POD_SYNC_SECONDS": "1",
-            # a replaced catalog file is seen within a second of its spec.catalog.refreshSeconds
-            "KVSHARD_OPERATOR_CATALOG_CHECK_SECONDS": "1",
-            "KVSHARD_OPERATOR_REBALANCE_CHECK_SECONDS": str(min(5, self.settings.rebalance_interval_seconds)),
-            "KVSHARD_OPERATOR_RETRY_BACKOFF_MAX": "10",
-            **(job_controller.operator_env(self.run_dir / "embeddings") if self.settings.embedding_jobs else {}),
-        }
-
-    def _check_vllm(self) -> None:
-        """Refuse ``engine: vllm`` where it cannot work, before anything starts."""
-        if model_scorer(self.model_path) == "answer":
-            raise settings_lib.SettingsError(
-                f"engine vllm serves scorer models only (--model late or scorer); {self.settings.model!r} "
-                f"({self.model_path.name}) answers at the answer position, whose blended cache the sidecar's own "
-                "engine must compute — the local cluster does not run that path with vLLM (use --engine embedded)")
-        if importlib.util.find_spec("vllm") is None:
-            raise settings_lib.SettingsError("engine vllm needs vLLM in this Python (the vllm extra: "
-                                             "pip install 'kvshard[vllm]')")
-
-    def _vllm(self, pod: str) -> ManagedProcess:
-        """The pod's vLLM container: the cluster's model on a free port, kvshard's connector loading from and
-        saving to the pod's disk tier (``block_dir``), its log in ``<run>/logs/<pod>-vllm.log``."""
-        port = self._ports.get(f"{pod}-vllm") or free_port()  # a pod added by scaling gets a fresh port
-        command = _cli("sidecar", "vllm", "--model", str(self.model_path), "--port", str(port),
-                       "--exchange-dir", str(self.exchange_dir(pod)), "--block-dir", str(self.pod_disk_dir(pod)))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": VLLM_KV_CACHE_GIB, "TOKENIZERS_PARALLELISM": "false"}
-        return ManagedProcess(command,
-                              self.logs_dir / f"{pod}-vllm.log", f"http://{HOST}:{port}/health", env=env,
-                              start_timeout=self.settings.start_timeout_seconds)
-
-    def exchange_dir(self, pod: str) -> Path:
-        """The KV exchange folder the pod's sidecar and vLLM share (``<run>/exchange/<pod>``; the connector
-        writes its stats there)."""
-        return self.run_dir / "exchange" / pod
-
-    def _sidecar(self, pod: str, token_file: Path) -> ManagedProcess:
-        """The pod's sidecar process; with ``engine: vllm`` a :class:`PodContainers` that also runs the
-        pod's vLLM (started first, stopped and restarted with the sidecar, both probed for readiness)."""
-        url = self.sidecar_urls[pod]
-        threads = str(self.settings.threads)
-        command = _cli("sidecar", "serve", "--host", HOST, "--port", url.rsplit(":", 1)[1], "--pod-name", pod,
-                       "--model", self.settings.model,
-                       "--memory-bytes", str(self.settings.memory_bytes),
-                       "--disk-dir", str(self.pod_disk_dir(pod)), "--peer-token-file", str(token_file))
-        # the sidecar follows placement: it warms its clusters, reports them, and finds peers in etcd;
-        # its catalog and prompt are the CacheShard's (the version the placement names), no --dataset
-        command += ["--etcd-endpoints", self.etcd_endpoint, *self.etcd_client_flags,
-                    "--cacheshard", f"{self.namespace}/{self.name}", "--advertise-url", url]
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-               "KVSHARD_SIDECAR_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-               "KVSHARD_SIDECAR_TTFT_TARGET_SECONDS": str(self.settings.ttft_target_seconds),
-               "KVSHARD_SIDECAR_PRESSURE_WINDOW_SECONDS": str(self.settings.pressure_window_seconds)}
-        if self.settings.engine == "vllm":
-            vllm = self._vllm(pod)
-            command += ["--engine", "vllm", "--vllm-url", vllm.ready_url.rsplit("/", 1)[0],
-                        "--vllm-model", self.model_path.name, "--exchange-dir", str(self.exchange_dir(pod))]
-            return PodContainers(command, self.logs_dir / f"{pod}.log", url + "/readyz", companions=[vllm], env=env,
-                                 start_timeout=self.settings.start_timeout_seconds)
-        return ManagedProcess(command, self.logs_dir / f"{pod}.log", url + "/readyz", env=env,
-                              start_timeout=self.settings.start_timeout_seconds)
 
     def _wait(self, fact: Callable[[], bool], timeout: float, what: str,
               process: ManagedProcess | None = None) -> None:

@@ -52,13 +52,6 @@ def item_key(fingerprint: str, text: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Chunk:
-    address: str
-    keys: tuple[str, ...]
-    texts: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Plan:
     """The chunks still to embed for one catalog, in Job-index order (empty: nothing to do)."""
 

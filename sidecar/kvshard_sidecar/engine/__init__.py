@@ -10,7 +10,8 @@ Public surface (the sidecar's HTTP service calls :meth:`BlendEngine.generate`, o
 Modules: :mod:`.settings` (one dataclass), :mod:`.rope` (key re-rotation), :mod:`.selectors` (pure
 selection), :mod:`.executor` (layer halves over the Hugging Face modules), :mod:`.kvbuffer` (the
 blended KV), :mod:`.source` (the block-store protocol), :mod:`.contexts` (what a block is prefilled
-behind, averaged item blocks), :mod:`.blend` (the engine).
+behind, averaged item blocks), :mod:`.blocks` (fetching, computing and placing blocks), :mod:`.layers`
+(the layer loop), :mod:`.blend` (the engine).
 """
 
 from kvshard_sidecar.engine.blend import BlendEngine

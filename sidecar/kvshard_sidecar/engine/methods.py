@@ -23,7 +23,6 @@ from __future__ import annotations
 from kvshard_sidecar.engine.settings import BlendSettings
 
 METHODS = ("none", "full", "boundary", "deviation", "hybrid", "tail", "cacheblend", "epic")
-BASELINES = ("cacheblend", "epic")
 CORRECTIONS = ("tail", "structure", "labels", "segment", "ape")
 TAIL_WEIGHT = 0.5
 _PLAIN = {"tail_weight": 0.0, "structure": False, "labels_first": False, "granularity": "token",

@@ -1,7 +1,7 @@
 """One typed settings object for the blend engine, so a request, a benchmark row and a test all say
 exactly which blend they ran.
 
-Every knob the DESIGN (§4) names lives here: the selector, its ratio, the check layers with their
+Every knob of a blend (docs/blending-and-fidelity.md) lives here: the selector, its ratio, the check layers with their
 gradual-filtering schedule, the boundary width, what deviation is measured on, how segment blocks
 are prefilled, the training-free corrections (:mod:`.corrections`: tail weighting, structure-aware
 and segment-granular picking, attention calibration) and where the engine runs. ``validate`` catches
