@@ -4,8 +4,10 @@ Why its own module: the layout is the contract between the operator, the router 
 and tests and tools name keys without talking to etcd; :mod:`kvshard.etcd_store` is the only module
 that reads and writes them::
 
-    /kvshard/v1/<namespace>/<name>/gen/<G>/assignment      cluster → pods
-    /kvshard/v1/<namespace>/<name>/gen/<G>/items/<chunk>   item → cluster (chunked, each ≤ 1 MiB)
+    /kvshard/v1/<namespace>/<name>/gen/<G>/assignment      cluster → pods, and the item map's digest (schema 2)
+    /kvshard/v1/<namespace>/<name>/gen/<G>/items/<chunk>   item → cluster (schema 1 only: read, no longer written)
+    /kvshard/v1/<namespace>/<name>/itemmap/<digest>/manifest      item map: counts, cluster → chunk numbers
+    /kvshard/v1/<namespace>/<name>/itemmap/<digest>/chunks/<n>    item map: items grouped by cluster (each ≤ 1 MiB)
     /kvshard/v1/<namespace>/<name>/current                 G (changed only by compare-and-swap)
     /kvshard/v1/<namespace>/<name>/heat/<timestamp>        hit-rate snapshot (lease/TTL'd)
     /kvshard/v1/<namespace>/<name>/warm/<pod>              clusters the pod has warmed
@@ -38,6 +40,20 @@ def assignment_key(namespace: str, name: str, generation: int) -> str:
 
 def items_key(namespace: str, name: str, generation: int, chunk: int) -> str:
     return generation_prefix(namespace, name, generation) + f"items/{chunk:06d}"
+
+
+def item_map_prefix(namespace: str, name: str) -> str:
+    """``itemmap/``: item → cluster maps, stored once per content (:func:`kvshard.placement_schema.encode_item_map`)
+    under the digest of that content; generations name theirs, and a map goes when no kept generation does."""
+    return shard_prefix(namespace, name) + "itemmap/"
+
+
+def item_map_manifest_key(namespace: str, name: str, digest: str) -> str:
+    return item_map_prefix(namespace, name) + f"{digest}/manifest"
+
+
+def item_map_chunk_key(namespace: str, name: str, digest: str, chunk: int) -> str:
+    return item_map_prefix(namespace, name) + f"{digest}/chunks/{chunk:06d}"
 
 
 def heat_prefix(namespace: str, name: str) -> str:

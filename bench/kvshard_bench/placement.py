@@ -66,6 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where the float16 item file goes (default: a temporary folder, removed after)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    publish = parser.add_argument_group("--publish: what placement generations cost etcd (placement_publish)")
+    publish.add_argument("--publish", action="store_true",
+                         help="publish generations to a real etcd and measure bytes written and read, "
+                              "content-addressed item maps next to the old per-generation layout")
+    publish.add_argument("--rebalances", type=int, default=100, help="rebalance-only generations (default 100)")
+    publish.add_argument("--catalog-changes", type=int, default=10,
+                         help="generations re-labelling ~1%% of the items (default 10)")
+    publish.add_argument("--moves", type=int, default=5, help="clusters moved per rebalance (default 5)")
+    publish.add_argument("--change-fraction", type=float, default=0.01,
+                         help="items re-labelled per catalog change (default 0.01)")
 
 
 def synthetic_chunks(items: int, dim: int, seed: int) -> Iterator[np.ndarray]:
@@ -143,7 +153,16 @@ def _rows(method: str, labels: np.ndarray, args: argparse.Namespace, seconds: fl
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run the benchmark, print a table, write JSON if asked; returns one row per method and pod change."""
+    """Run the benchmark, print a table, write JSON if asked; returns one row per method and pod change
+    (with ``--publish``: one row per etcd layout, :mod:`kvshard_bench.placement_publish`)."""
+    if getattr(args, "publish", False):
+        from kvshard_bench import placement_publish
+
+        published = placement_publish.run_publish(args)
+        placement_publish.print_rows(published)
+        if args.json is not None:
+            args.json.write_text(json.dumps(published, indent=2) + "\n")
+        return published
     with tempfile.TemporaryDirectory(dir=args.data_dir) as folder:
         if getattr(args, "vectors", False):
             given = _vectors_row(Path(folder), args)

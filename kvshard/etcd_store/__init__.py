@@ -8,9 +8,9 @@ is a module of its own because each has its own rules:
 * :mod:`.client` — the connection (TLS, login, host names) and the translation of every failure:
   callers see :class:`EtcdUnavailableError`, :class:`EtcdTLSError` naming the TLS mistake
   (:mod:`kvshard.etcd_tls`) or :class:`EtcdAuthError`, never gRPC or etcd3aio exceptions;
-* :mod:`.placement` — generations and ``current``: the whole generation is written before
-  ``current`` is compare-and-swapped, so a reader never sees half of one and two writers cannot
-  both win;
+* :mod:`.placement` — generations, their content-addressed item maps and ``current``: the whole
+  generation (and the item map it names) is written before ``current`` is compare-and-swapped, so a
+  reader never sees half of one and two writers cannot both win;
 * :mod:`.warm` — heat snapshots (leased) and each pod's warm report;
 * :mod:`.corequest` — each router's co-requested pairs (leased);
 * :mod:`.catalog` — content-addressed, chunked catalog versions;
@@ -57,7 +57,9 @@ class EtcdStore(PlacementStore, WarmStore, CoRequestStore, CatalogStore, BlendSt
     # The whole CacheShard's keys (``shard_prefix``), across every key space.
 
     async def delete_all(self, namespace: str, name: str) -> int:
-        """Remove every key of one CacheShard (its finalizer calls this). Returns how many."""
+        """Remove every key of one CacheShard (its finalizer calls this): generations, item maps,
+        catalogs, reports — everything under its prefix. Returns how many."""
+        self._item_maps.pop((namespace, name), None)
         prefix = shard_prefix(namespace, name)
         resp = await self._delete_range("delete", prefix)
         return int(resp.deleted)

@@ -85,6 +85,12 @@ class EtcdClient:
         self._client = etcd3aio.Etcd3Client(self.endpoints, rpc_max_attempts=attempts, **conn_args)
         self._client._manager.grpc_options.extend(_CHANNEL_OPTIONS)  # etcd3aio has no channel-options argument
         self._connected = False
+        self.bytes_written = 0
+        """Cumulative ``len(key) + len(value)`` of every put this store made (puts in transactions
+        included, counted only for the branch etcd ran)."""
+        self.bytes_read = 0
+        """Cumulative ``len(key) + len(value)`` of every key-value this store read (gets, ranges,
+        ranges in transactions, and the values its watches delivered)."""
 
     async def _target(self) -> str:
         """The gRPC target: etcd3aio's ``ipv4:`` list takes addresses only, so one host name goes to
@@ -114,6 +120,7 @@ class EtcdClient:
             return
         self._client._manager.target = await self._target()
         await self._client.connect()
+        self._count_traffic()
         self._connected = True  # _call needs the channel; undone below if the login fails
         if self._username:
             auth = self._client.auth
@@ -165,6 +172,48 @@ class EtcdClient:
             error = EtcdUnavailableError if transient else EtcdAuthError if denied else EtcdStoreError
             hint = f" ({tls_problem})" if tls_problem else ""
             raise error(f"etcd {what} failed on {','.join(self.endpoints)}: {exc}{hint}") from exc
+
+    def _count_traffic(self) -> None:
+        """Route every KV request of this store through :meth:`_account`, which keeps
+        :attr:`bytes_written` and :attr:`bytes_read` (etcd3aio sends each unary KV request through its
+        service's ``_rpc``; it has no hook of its own)."""
+        kv = self._client.kv
+        assert kv is not None
+        rpc = kv._rpc
+
+        async def counted(call: Any, request: Any, **kwargs: Any) -> Any:
+            response = await rpc(call, request, **kwargs)
+            self._account(request, response)
+            return response
+
+        setattr(kv, "_rpc", counted)  # noqa: B010 (mypy refuses assigning to a method)
+
+    def _account(self, request: Any, response: Any) -> None:
+        kind = request.DESCRIPTOR.name
+        if kind == "PutRequest":
+            self.bytes_written += len(request.key) + len(request.value)
+        elif kind == "TxnRequest":
+            ops = request.success if response.succeeded else request.failure
+            for op, result in zip(ops, response.responses, strict=False):
+                if op.HasField("request_put"):
+                    self.bytes_written += len(op.request_put.key) + len(op.request_put.value)
+                elif op.HasField("request_range"):
+                    self.count_read(result.response_range.kvs)
+        elif kind == "RangeRequest":
+            self.count_read(response.kvs)
+
+    def count_read(self, kvs: Any) -> None:
+        """Add key-values read outside a KV request (a watch's events) to :attr:`bytes_read`."""
+        self.bytes_read += sum(len(kv.key) + len(kv.value) for kv in kvs)
+
+    async def db_size(self) -> int:
+        """etcd's backend database size in bytes (``db_size`` of the maintenance Status call: the
+        physical file (``dbSize``), which grows towards ``--quota-backend-bytes`` until compacted and defragmented)."""
+        maintenance = self._client.maintenance
+        if not self._connected or maintenance is None:
+            raise EtcdStoreError("EtcdStore is not connected; use `async with` or connect()")
+        resp = await self._call("status", maintenance.status(timeout=self.timeout))
+        return int(resp.dbSize)
 
     async def ping(self) -> None:
         """Raise :class:`EtcdUnavailableError` unless etcd answers a read."""

@@ -1,24 +1,38 @@
-"""The placement key space: ``gen/<G>/assignment``, ``gen/<G>/items/<chunk>`` and ``current``.
+"""The placement key space: ``gen/<G>/assignment``, ``itemmap/<digest>/…`` and ``current``
+(``gen/<G>/items/<chunk>`` of schema-1 generations is still read).
 
 Why its own module: placement is the one key space with a multi-key invariant. Publishing writes
-the whole generation first and only then compare-and-swaps ``current``, so a reader that follows
-``current`` never sees a half-written generation, and two writers cannot both win. When everything
-fits in one request the writes and the swap are a single transaction; a bigger generation is
-claimed and written in steps (:meth:`PlacementStore._publish_in_steps`). Readers read a generation
-at the revision ``current`` named it, so a prune never pulls it from under them.
+the item map the generation names (only when it is not stored yet: chunks first, the manifest last,
+so a present manifest means a complete map), then the generation, and only then compare-and-swaps
+``current`` — in the same transaction that checks the map's manifest still exists — so a reader
+that follows ``current`` never sees a half-written generation or a missing map, and two writers
+cannot both win. When everything fits in one request the writes and the swap are a single
+transaction; a bigger generation is claimed and written in steps
+(:meth:`PlacementStore._publish_in_steps`). Readers read a generation (and its map) at the revision
+``current`` named it, so a prune never pulls it from under them; the last map read per CacheShard is
+kept in memory, so a generation that names the same map again reads no chunk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 import etcd3aio
 import grpc
 
 from kvshard import placement_schema as ps
-from kvshard.etcd_keys import assignment_key, current_key, generation_prefix, items_key, shard_prefix
+from kvshard.etcd_keys import (
+    assignment_key,
+    current_key,
+    generation_prefix,
+    item_map_chunk_key,
+    item_map_manifest_key,
+    item_map_prefix,
+    shard_prefix,
+)
 from kvshard.etcd_store.client import (
     ETCD_ERRORS,
     EtcdClient,
@@ -29,10 +43,27 @@ from kvshard.etcd_store.client import (
 
 KEEP_GENERATIONS = 2
 _TXN_LIMIT = ps.MAX_VALUE_BYTES
+_GREATER = 1  # etcd's Compare.GREATER
+
+
+@dataclasses.dataclass
+class _CachedMap:
+    """The last item map read for one CacheShard: its manifest, the decoded chunks read so far (a
+    partial reader's), and the whole mapping once read whole (handed out again, same object)."""
+
+    manifest: ps.ItemMapManifest
+    chunks: dict[int, dict[int, list[str]]]
+    whole: dict[str, int] | None = None
 
 
 class PlacementStore(EtcdClient):
     """Publish, read and follow placement generations."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._item_maps: dict[tuple[str, str], _CachedMap] = {}
+        self.item_map_bytes_written = 0
+        """Bytes of item map values (manifests and chunks) this store wrote."""
 
     async def read_assignment(self, namespace: str, name: str) -> ps.Placement | None:
         """The current generation without its items (cluster → pods only), None before the first
@@ -44,7 +75,7 @@ class PlacementStore(EtcdClient):
         got = await self._call("read", self._kv.get(assignment_key(namespace, name, generation), timeout=self.timeout))
         if not got.kvs:
             raise ps.PlacementFormatError(f"{namespace}/{name} has no generation {generation}")
-        return ps.decode_assignment(bytes(got.kvs[0].value))[0]
+        return ps.decode_header(bytes(got.kvs[0].value)).placement
 
     async def current_generation(self, namespace: str, name: str) -> int:
         """The published generation, 0 when none has been published."""
@@ -61,7 +92,8 @@ class PlacementStore(EtcdClient):
         generation = placement.generation
         if generation <= expected:
             raise ValueError(f"generation {generation} must be newer than {expected}")
-        assignment, chunks = ps.encode(placement)
+        digest = await self._store_item_map(namespace, name, placement.item_clusters)
+        assignment = ps.encode_assignment(placement, 0, item_map=digest)
         kv = self._kv
         gen_prefix = generation_prefix(namespace, name, generation)
         ckey = current_key(namespace, name)
@@ -70,25 +102,52 @@ class PlacementStore(EtcdClient):
             if expected == 0
             else kv.txn_compare_value(ckey, str(expected))
         )
+        # The map must still be there when current moves (a concurrent writer's prune may have
+        # dropped it since it was stored): a conflict then, and the retry stores it again.
+        map_present = kv.txn_compare_create_revision(item_map_manifest_key(namespace, name, digest), 0,
+                                                     result=_GREATER)
         writes = [kv.txn_op_put(assignment_key(namespace, name, generation), assignment)]
-        writes += [kv.txn_op_put(items_key(namespace, name, generation, i), c) for i, c in enumerate(chunks)]
         swap = kv.txn_op_put(ckey, str(generation))
         clear = kv.txn_op_delete(gen_prefix, range_end=etcd3aio.prefix_range_end(gen_prefix))
         # Leftovers of an earlier failed attempt at this generation go first (only while current is
         # still ``expected``, so another writer's generation is never touched).
         await self._call("publish", kv.txn([compare], [clear], timeout=self.timeout))
-        if len(assignment) + sum(map(len, chunks)) <= _TXN_LIMIT:
-            resp = await self._call("publish", kv.txn([compare], [*writes, swap], timeout=self.timeout))
+        if len(assignment) <= _TXN_LIMIT:
+            resp = await self._call("publish", kv.txn([compare, map_present], [*writes, swap], timeout=self.timeout))
         else:
-            resp = await self._publish_in_steps(kv, gen_prefix + "writer", compare, writes, swap)
+            resp = await self._publish_in_steps(kv, gen_prefix + "writer", compare, writes, swap, map_present)
         if not resp.succeeded:
             raise GenerationConflictError(
-                f"{namespace}/{name}: current is no longer generation {expected}; re-read and retry"
+                f"{namespace}/{name}: current is no longer generation {expected} (or its item map was pruned "
+                "meanwhile); re-read and retry"
             )
         await self._prune(namespace, name, generation)
         return generation
 
-    async def _publish_in_steps(self, kv: Any, writer_key: str, compare: Any, writes: list[Any], swap: Any) -> Any:
+    async def _store_item_map(self, namespace: str, name: str, item_clusters: Any) -> str:
+        """Store the item map of ``item_clusters`` unless its manifest is there already (chunks
+        first, the manifest last); return its digest. The digest of a mapping object read or
+        published before is remembered (:func:`ps.known_digest`), so a rebalance encodes nothing."""
+        digest = ps.known_digest(item_clusters)
+        encoded = None
+        if digest is None:
+            encoded = ps.encode_item_map(item_clusters)
+            digest = encoded.digest
+        manifest_key = item_map_manifest_key(namespace, name, digest)
+        got = await self._call("read", self._kv.get(manifest_key, keys_only=True, timeout=self.timeout))
+        if got.kvs:
+            return digest
+        if encoded is None:
+            encoded = ps.encode_item_map(item_clusters)
+        for i, chunk in enumerate(encoded.chunks):
+            await self._call("publish", self._kv.put(item_map_chunk_key(namespace, name, digest, i), chunk,
+                                                     timeout=self.timeout))
+        await self._call("publish", self._kv.put(manifest_key, encoded.manifest.encode(), timeout=self.timeout))
+        self.item_map_bytes_written += encoded.size
+        return digest
+
+    async def _publish_in_steps(self, kv: Any, writer_key: str, compare: Any, writes: list[Any], swap: Any,
+                                *also: Any) -> Any:
         """Write a generation too big for one request, then swap ``current``.
 
         Two writers racing for the same generation would otherwise interleave their chunks, and the
@@ -107,12 +166,12 @@ class PlacementStore(EtcdClient):
             step = await self._call("publish", kv.txn([compare, mine], [op], timeout=self.timeout))
             if not step.succeeded:
                 return step
-        return await self._call("publish", kv.txn([compare, mine], [swap, kv.txn_op_delete(writer_key)],
+        return await self._call("publish", kv.txn([compare, mine, *also], [swap, kv.txn_op_delete(writer_key)],
                                                   timeout=self.timeout))
 
     async def _prune(self, namespace: str, name: str, newest: int) -> None:
         """Drop generations older than the last :data:`KEEP_GENERATIONS` (readers may still be
-        reading the previous one)."""
+        reading the previous one), then every item map no kept generation names."""
         oldest_kept = newest - KEEP_GENERATIONS + 1
         base = shard_prefix(namespace, name) + "gen/"
         resp = await self._range("list", base, keys_only=True)
@@ -120,57 +179,146 @@ class PlacementStore(EtcdClient):
         for g in sorted(x for x in stale if x < oldest_kept):
             prefix = generation_prefix(namespace, name, g)
             await self._delete_range("prune", prefix)
+        await self.prune_item_maps(namespace, name)
 
-    async def read_generation(self, namespace: str, name: str, generation: int, *, revision: int = 0) -> ps.Placement:
-        """One stored generation, whole (raises :class:`ps.PlacementFormatError` if incomplete).
+    async def prune_item_maps(self, namespace: str, name: str) -> int:
+        """Delete every stored item map that no stored generation names; returns how many."""
+        base = shard_prefix(namespace, name) + "gen/"
+        resp = await self._range("list", base, keys_only=True)
+        kept: set[str] = set()
+        for key in sorted({kv.key.decode() for kv in resp.kvs if kv.key.decode().endswith("/assignment")}):
+            got = await self._call("read", self._kv.get(key, timeout=self.timeout))
+            if got.kvs:
+                try:
+                    kept.add(ps.decode_header(bytes(got.kvs[0].value)).item_map)
+                except ps.PlacementFormatError:
+                    continue
+        prefix = item_map_prefix(namespace, name)
+        listed = await self._range("list", prefix, keys_only=True)
+        stored = {kv.key.decode()[len(prefix):].split("/", 1)[0] for kv in listed.kvs}
+        stale = sorted(stored - kept)
+        for digest in stale:
+            await self._delete_range("prune", prefix + digest + "/")
+        return len(stale)
+
+    async def read_generation(self, namespace: str, name: str, generation: int, *, revision: int = 0,
+                              clusters: Collection[int] | None = None, clusters_of: str | None = None
+                              ) -> ps.Placement:
+        """One stored generation (raises :class:`ps.PlacementFormatError` if incomplete).
 
         ``revision`` reads it as etcd held it then (0: now). :meth:`read_current` and
         :meth:`watch_current` pass the revision at which ``current`` named the generation, so a reader
         never loses it to a prune by writers publishing two more generations in between. Should etcd
         have compacted that revision away, the generation is read as it is now.
+
+        Items: the whole item map by default, read from etcd only when its digest differs from the
+        last one this store read for the shard. With ``clusters`` (or ``clusters_of``: the clusters
+        that pod holds in this generation) ``item_clusters`` holds only those clusters' items, and only
+        the chunks holding them are read (a schema-1 generation is read whole and filtered). Such a
+        partial placement is for reading only: published, it would name a map of just those items.
         """
         prefix = generation_prefix(namespace, name, generation)
-        try:
-            resp = await self._range("read", prefix, revision)
-        except EtcdStoreError as exc:
-            cause = exc.__cause__
-            if not (revision and isinstance(cause, grpc.aio.AioRpcError)
-                    and cause.code() == grpc.StatusCode.OUT_OF_RANGE):
-                raise
-            resp = await self._range("read", prefix, 0)
+        resp = await self._range_at("read", prefix, revision)
         values = {kv.key.decode()[len(prefix):]: bytes(kv.value) for kv in resp.kvs}
         if "assignment" not in values:
             raise ps.PlacementFormatError(f"{namespace}/{name} has no generation {generation}")
-        chunks = [values[k] for k in sorted(k for k in values if k.startswith("items/"))]
-        return ps.decode(values["assignment"], chunks)
+        header = ps.decode_header(values["assignment"])
+        wanted = set(header.placement.clusters_of(clusters_of)) if clusters_of is not None else (
+            None if clusters is None else {int(c) for c in clusters})
+        if header.schema == ps.SCHEMA_V1:
+            chunks = [values[k] for k in sorted(k for k in values if k.startswith("items/"))]
+            placement = ps.decode(values["assignment"], chunks)
+            if wanted is None:
+                return placement
+            return dataclasses.replace(placement, item_clusters={
+                i: c for i, c in placement.item_clusters.items() if c in wanted})
+        items = await self._read_item_map(namespace, name, header.item_map, revision, wanted)
+        return dataclasses.replace(header.placement, item_clusters=items)
 
+    async def _range_at(self, what: str, key: str, revision: int, *, prefix: bool = True) -> Any:
+        """A range (or one key) at ``revision``, now if etcd compacted that revision away."""
+        for rev in (revision, 0) if revision else (0,):
+            try:
+                if prefix:
+                    return await self._range(what, key, rev)
+                return await self._call(what, self._kv.get(key, revision=rev, timeout=self.timeout))
+            except EtcdStoreError as exc:
+                cause = exc.__cause__
+                if not (rev and isinstance(cause, grpc.aio.AioRpcError)
+                        and cause.code() == grpc.StatusCode.OUT_OF_RANGE):
+                    raise
+        raise AssertionError("unreachable")
 
-    async def read_current(self, namespace: str, name: str) -> ps.Placement | None:
+    async def _read_item_map(self, namespace: str, name: str, digest: str, revision: int,
+                             clusters: set[int] | None) -> dict[str, int]:
+        """Item → cluster of item map ``digest`` (of ``clusters`` only, when given), reading only the
+        chunks the last map read for this shard does not already hold."""
+        cached = self._item_maps.get((namespace, name))
+        if cached is None or cached.manifest.digest != digest:
+            got = await self._range_at("read", item_map_manifest_key(namespace, name, digest), revision, prefix=False)
+            if not got.kvs:
+                raise ps.PlacementFormatError(f"{namespace}/{name} has no item map {digest}")
+            cached = _CachedMap(ps.decode_item_map_manifest(bytes(got.kvs[0].value)), {})
+            self._item_maps[(namespace, name)] = cached
+        if cached.whole is not None:
+            if clusters is None:
+                return cached.whole
+            return {i: c for i, c in cached.whole.items() if c in clusters}
+        manifest = cached.manifest
+        needed = range(manifest.chunks) if clusters is None else manifest.chunks_for(clusters)
+        for n in needed:
+            if n in cached.chunks:
+                continue
+            got = await self._range_at("read", item_map_chunk_key(namespace, name, digest, n), revision, prefix=False)
+            if not got.kvs:
+                raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} lacks chunk {n}")
+            cached.chunks[n] = ps.decode_item_map_chunk(bytes(got.kvs[0].value))
+        if clusters is None:
+            whole = ps.item_clusters_of(cached.chunks[n] for n in needed)
+            if len(whole) != manifest.items:
+                raise ps.PlacementFormatError(f"item map {digest} holds {len(whole)} of {manifest.items} items")
+            cached.whole, cached.chunks = whole, {}
+            ps.remember_digest(whole, digest)
+            return whole
+        # A partial reader keeps only the chunks it needs now.
+        cached.chunks = {n: cached.chunks[n] for n in needed}
+        return ps.item_clusters_of((cached.chunks[n] for n in needed), clusters)
+
+    async def read_current(self, namespace: str, name: str, *, clusters: Collection[int] | None = None,
+                           clusters_of: str | None = None) -> ps.Placement | None:
         """The current placement, or None before the first publish; one consistent snapshot (the
-        generation is read at the revision ``current`` was read at)."""
+        generation is read at the revision ``current`` was read at). ``clusters``/``clusters_of``:
+        only those clusters' items (:meth:`read_generation`)."""
         resp = await self._call("read", self._kv.get(current_key(namespace, name), timeout=self.timeout))
         if not resp.kvs:
             return None
-        return await self.read_generation(namespace, name, int(resp.kvs[0].value), revision=resp.header.revision)
+        return await self.read_generation(namespace, name, int(resp.kvs[0].value), revision=resp.header.revision,
+                                          clusters=clusters, clusters_of=clusters_of)
 
-    async def watch_current(self, namespace: str, name: str) -> AsyncIterator[ps.Placement]:
+    async def watch_current(self, namespace: str, name: str, *, clusters_of: str | None = None
+                            ) -> AsyncIterator[ps.Placement]:
         """Yield the current placement (if any) and then every newly published one; the router and
-        sidecars follow placement with this. Reconnects are handled by the etcd client."""
+        sidecars follow placement with this. Reconnects are handled by the etcd client. The item map
+        is read only when a generation names a different one; with ``clusters_of`` only the items of
+        the clusters that pod holds in each generation (:meth:`read_generation`)."""
         ckey = current_key(namespace, name)
         resp = await self._call("read", self._kv.get(ckey, timeout=self.timeout))
         last = int(resp.kvs[0].value) if resp.kvs else 0
         if last:
-            yield await self.read_generation(namespace, name, last, revision=resp.header.revision)
+            yield await self.read_generation(namespace, name, last, revision=resp.header.revision,
+                                             clusters_of=clusters_of)
         watch = self._client.watch
         assert watch is not None
         try:
             async for event_batch in watch.watch(ckey, start_revision=resp.header.revision + 1):
+                self.count_read([e.kv for e in event_batch.events])
                 for event in event_batch.events:
                     if event.type != 0 or not event.kv.value:  # 0 == PUT
                         continue
                     generation = int(event.kv.value)
                     if generation > last:
                         last = generation
-                        yield await self.read_generation(namespace, name, generation, revision=event.kv.mod_revision)
+                        yield await self.read_generation(namespace, name, generation, revision=event.kv.mod_revision,
+                                                         clusters_of=clusters_of)
         except ETCD_ERRORS as exc:
             raise EtcdUnavailableError(f"etcd watch failed: {exc}") from exc

@@ -30,7 +30,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -153,8 +153,10 @@ class EtcdServer(_LocalServer):
     """
 
     def __init__(self, *, data_dir: Path | None = None, start_timeout: float = 20.0, tls: bool = True,
-                 ports: tuple[int, int] | None = None) -> None:
+                 ports: tuple[int, int] | None = None, extra_args: Sequence[str] = ()) -> None:
         self.binary = etcd_binary()
+        self.extra_args = list(extra_args)
+        """More etcd flags (e.g. the chart's ``--quota-backend-bytes``), appended to the command line."""
         self.host = "127.0.0.1"
         # (client, peer); a caller that picks other ports as well picks these in the same free_ports call
         self.client_port, self.peer_port = ports or free_ports(2)
@@ -240,6 +242,7 @@ class EtcdServer(_LocalServer):
                 "--peer-cert-file", str(c.server_cert), "--peer-key-file", str(c.server_key),
                 "--peer-client-cert-auth", "--peer-trusted-ca-file", str(c.ca),
             ]
+        cmd += self.extra_args
         env = {"ETCD_UNSUPPORTED_ARCH": "", **os.environ}
         self._spawn(cmd, self._log, self._healthy, self.start_timeout, f"etcd on {self.endpoint}", env=env)
 
