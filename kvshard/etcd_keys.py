@@ -7,7 +7,9 @@ that reads and writes them::
     /kvshard/v1/<namespace>/<name>/gen/<G>/assignment      cluster → pods, and the item map's digest (schema 2)
     /kvshard/v1/<namespace>/<name>/gen/<G>/items/<chunk>   item → cluster (schema 1 only: read, no longer written)
     /kvshard/v1/<namespace>/<name>/itemmap/<digest>/manifest      item map: counts, cluster → chunk numbers
-    /kvshard/v1/<namespace>/<name>/itemmap/<digest>/chunks/<n>    item map: items grouped by cluster (each ≤ 1 MiB)
+    /kvshard/v1/<namespace>/<name>/itemmap/<digest>/chunks/<n>    item map: items grouped by cluster (each ≤ 1 MiB),
+                                                                  or a delta's changes to its base map
+    /kvshard/v1/<namespace>/<name>/itemmap/<digest>/base          a delta map's base digest
     /kvshard/v1/<namespace>/<name>/current                 G (changed only by compare-and-swap)
     /kvshard/v1/<namespace>/<name>/heat/<timestamp>        hit-rate snapshot (lease/TTL'd)
     /kvshard/v1/<namespace>/<name>/warm/<pod>              clusters the pod has warmed
@@ -54,6 +56,12 @@ def item_map_manifest_key(namespace: str, name: str, digest: str) -> str:
 
 def item_map_chunk_key(namespace: str, name: str, digest: str, chunk: int) -> str:
     return item_map_prefix(namespace, name) + f"{digest}/chunks/{chunk:06d}"
+
+
+def item_map_base_key(namespace: str, name: str, digest: str) -> str:
+    """``itemmap/<digest>/base``: a delta map's base digest (also in its manifest), so pruning finds
+    the maps a kept delta needs from a keys-only listing and a few small values."""
+    return item_map_prefix(namespace, name) + f"{digest}/base"
 
 
 def heat_prefix(namespace: str, name: str) -> str:

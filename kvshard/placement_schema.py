@@ -261,7 +261,15 @@ class ItemMapManifest:
     items: int
     chunks: int
     clusters: Mapping[int, tuple[int, int, int]]
-    """Cluster → (first chunk, last chunk, items): a cluster's items lie in chunks first..last."""
+    """Cluster → (first chunk, last chunk, items): a cluster's items lie in chunks first..last
+    (empty for a delta: its chunks hold changes, not clusters)."""
+    base: str = ""
+    """A *delta* map (:func:`encode_item_map_delta`): the digest of the map its chunks change ("": a
+    full map, its chunks hold every item)."""
+    depth: int = 0
+    """How many deltas lie between this map and a full one (0: full)."""
+    changes: int = 0
+    """A delta: how many items it sets or removes."""
 
     def chunks_for(self, clusters: Iterable[int]) -> list[int]:
         """The chunk numbers holding the items of ``clusters`` (unknown clusters hold none)."""
@@ -272,9 +280,18 @@ class ItemMapManifest:
                 wanted.update(range(span[0], span[1] + 1))
         return sorted(wanted)
 
+    @property
+    def is_delta(self) -> bool:
+        return bool(self.base)
+
     def encode(self) -> bytes:
-        doc = {"schema": SCHEMA, "digest": self.digest, "items": self.items, "chunks": self.chunks,
-               "clusters": {str(c): list(v) for c, v in sorted(self.clusters.items())}}
+        doc: dict[str, Any]
+        if self.base:
+            doc = {"schema": DELTA_SCHEMA, "digest": self.digest, "items": self.items, "chunks": self.chunks,
+                   "base": self.base, "depth": self.depth, "changes": self.changes}
+        else:
+            doc = {"schema": SCHEMA, "digest": self.digest, "items": self.items, "chunks": self.chunks,
+                   "clusters": {str(c): list(v) for c, v in sorted(self.clusters.items())}}
         data = json.dumps(doc, separators=(",", ":")).encode()
         if len(data) > MAX_VALUE_BYTES:
             raise PlacementFormatError(
@@ -347,8 +364,15 @@ def _dump_map_chunk(clusters: Mapping[str, list[str]]) -> bytes:
 
 
 def decode_item_map_manifest(data: bytes) -> ItemMapManifest:
-    doc = _load(data, (SCHEMA,))
+    """A full map's manifest (schema 2) or a delta's (:data:`DELTA_SCHEMA`)."""
+    doc = _load(data, (SCHEMA, DELTA_SCHEMA))
     try:
+        if doc["schema"] == DELTA_SCHEMA:
+            base = str(doc["base"])
+            if not base:
+                raise ValueError("a delta names no base")
+            return ItemMapManifest(str(doc["digest"]), int(doc["items"]), int(doc["chunks"]), {}, base,
+                                   int(doc["depth"]), int(doc.get("changes", 0)))
         return ItemMapManifest(str(doc["digest"]), int(doc["items"]), int(doc["chunks"]),
                                {int(c): (int(v[0]), int(v[1]), int(v[2])) for c, v in doc["clusters"].items()})
     except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -370,6 +394,113 @@ def item_clusters_of(chunks: Iterable[Mapping[int, Sequence[str]]], clusters: Co
             if clusters is None or cluster in clusters:
                 out.update(dict.fromkeys(items, cluster))
     return out
+
+
+# --------------------------------------------------------------------------- item map deltas
+
+DELTA_SCHEMA = 3
+"""The schema of a delta map's manifest and chunks: a reader that knows only full maps refuses it
+("upgrade it") rather than read a delta's chunks as a whole map."""
+MAX_DELTA_DEPTH = 8
+"""At most this many deltas between a map and a full one: past it the next map is written full, so a
+reader that has none of the chain reads at most this many maps."""
+MAX_DELTA_FRACTION = 0.25
+"""A delta is written only when it changes fewer than this fraction of the new map's items."""
+
+
+def item_map_changes(base: Mapping[str, int], new: Mapping[str, int], limit: int | None = None
+                     ) -> dict[str, int | None] | None:
+    """What turns ``base`` into ``new``: item → its new cluster (changed or added), item → None
+    (removed). None when more than ``limit`` items change (a full map is then cheaper to read)."""
+    if base is new:
+        return {}
+    changes: dict[str, int | None] = {i: c for i, c in new.items() if base.get(i) != c}
+    if limit is not None and len(changes) > limit:
+        return None
+    added = sum(1 for i in changes if i not in base)
+    if len(new) - added != len(base):  # some items of base are not in new: find them
+        changes.update(dict.fromkeys((i for i in base if i not in new), None))
+    if limit is not None and len(changes) > limit:
+        return None
+    return changes
+
+
+def apply_item_map_changes(items: dict[str, int], changes: Mapping[str, int | None],
+                           clusters: Collection[int] | None = None) -> dict[str, int]:
+    """Apply ``changes`` to ``items`` in place and return it. With ``clusters``, ``items`` holds only
+    those clusters' items and so does the result (an item that moved to another cluster leaves it)."""
+    for item, cluster in changes.items():
+        if cluster is None or (clusters is not None and cluster not in clusters):
+            items.pop(item, None)
+        else:
+            items[item] = cluster
+    return items
+
+
+def encode_item_map_delta(full: EncodedItemMap, base: ItemMapManifest, changes: Mapping[str, int | None]
+                          ) -> EncodedItemMap:
+    """The item map ``full`` stored as ``changes`` to map ``base``: same digest (that of the full
+    content, so equal content dedups and readers cache by it), chunks (each ≤ 1 MiB) of the changes
+    only — ``{"set": {cluster: [items]}, "removed": [items]}`` — and a manifest naming ``base``."""
+    by_cluster: dict[int, list[str]] = {}
+    removed: list[str] = []
+    for item, cluster in changes.items():
+        if cluster is None:
+            removed.append(item)
+        else:
+            by_cluster.setdefault(int(cluster), []).append(item)
+    quote = json.encoder.encode_basestring_ascii
+    chunks: list[bytes] = []
+    sets: dict[str, list[str]] = {}
+    gone: list[str] = []
+    size = 0
+    groups = [(str(c), sorted(by_cluster[c])) for c in sorted(by_cluster)] + [("", sorted(removed))]
+    for key, items in groups:
+        part: list[str] = []
+        head = len(key) + 6
+        for item in items:
+            entry = len(quote(item)) + 1
+            if size + head + entry > _CHUNK_TARGET and (part or sets or gone):
+                if part:
+                    if key:
+                        sets[key] = part
+                    else:
+                        gone = part
+                chunks.append(_dump_delta_chunk(sets, gone))
+                sets, gone, part, size = {}, [], [], 0
+            part.append(item)
+            size += entry
+        if part:
+            if key:
+                sets[key] = part
+            else:
+                gone = part
+            size += head
+    if sets or gone or not chunks:
+        chunks.append(_dump_delta_chunk(sets, gone))
+    manifest = ItemMapManifest(full.digest, full.manifest.items, len(chunks), {}, base.digest, base.depth + 1,
+                               len(changes))
+    return EncodedItemMap(manifest, chunks)
+
+
+def _dump_delta_chunk(sets: Mapping[str, list[str]], removed: list[str]) -> bytes:
+    data = json.dumps({"schema": DELTA_SCHEMA, "set": sets, "removed": removed}, separators=(",", ":")).encode()
+    if len(data) > MAX_VALUE_BYTES:
+        raise PlacementFormatError("a single item id is larger than 1 MiB")
+    return data
+
+
+def decode_item_map_delta_chunk(data: bytes) -> dict[str, int | None]:
+    """One delta chunk: item → its new cluster, or None for a removed item."""
+    doc = _load(data, (DELTA_SCHEMA,))
+    try:
+        out: dict[str, int | None] = {}
+        for c, items in doc["set"].items():
+            out.update(dict.fromkeys(items, int(c)))
+        out.update(dict.fromkeys(doc["removed"], None))
+        return out
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PlacementFormatError(f"not an item map delta chunk: {exc}") from exc
 
 
 # Digests of recent item_clusters mappings, by identity. A rebalance publishes

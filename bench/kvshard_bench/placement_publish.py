@@ -13,7 +13,13 @@ placement`` measures; here only the map's size and shape matter) and the cluster
 * ``--rebalances`` rebalance-only generations follow, each moving ``--moves`` clusters to another
   pod and keeping the very ``item_clusters`` object (as the operator's rebalancer and learned
   placement do with ``dataclasses.replace``);
-* ``--catalog-changes`` generations follow, each re-labelling ~1 % of the items (a new item map).
+* ``--catalog-changes`` generations follow, each re-labelling ~1 % of the items (a new item map),
+  published as the operator publishes one: a new ``item_clusters`` dict, ``expected`` the generation
+  the writer published last (whose map it holds), so the writer stores the new map as a *delta* on
+  that one (:meth:`kvshard.etcd_store.placement.PlacementStore._store_item_map`) — and every
+  :data:`~kvshard.placement_schema.MAX_DELTA_DEPTH` + 1-th change whole, bounding the chain.
+  ``bytes_per_catalog_change_full_map`` is what each would write as a whole map (computed: the
+  encoded map's keys and values), the cost before deltas.
 
 After every publish a *sidecar* reader reads ``current`` as the sidecar follows it (the whole map:
 the sidecar's peer lookups need every item's cluster — only when its digest changed), and an
@@ -90,6 +96,14 @@ def per_generation_bytes(placement: ps.Placement) -> tuple[int, int]:
     return stored + current, stored + current
 
 
+def full_map_bytes(placement: ps.Placement) -> int:
+    """Bytes (keys and values) the item map of ``placement`` takes stored whole."""
+    encoded = ps.encode_item_map(placement.item_clusters)
+    d = encoded.digest
+    return (len(etcd_keys.item_map_manifest_key(NAMESPACE, NAME, d)) + encoded.size
+            + sum(len(etcd_keys.item_map_chunk_key(NAMESPACE, NAME, d, i)) for i in range(len(encoded.chunks))))
+
+
 def _mean(values: list[int]) -> int:
     return int(round(sum(values) / len(values))) if values else 0
 
@@ -102,6 +116,7 @@ async def measure(server: EtcdServer, args: argparse.Namespace) -> list[dict[str
     read: dict[str, list[int]] = {"rebalance": [], "catalog": []}
     own_read: dict[str, list[int]] = {"rebalance": [], "catalog": []}
     seconds: dict[str, list[float]] = {"rebalance": [], "catalog": []}
+    full_map: list[int] = []
     async with server.store(timeout=120) as writer, server.store(timeout=120) as sidecar, \
             server.store(timeout=120) as own:
         first_write = writer.bytes_written
@@ -114,6 +129,8 @@ async def measure(server: EtcdServer, args: argparse.Namespace) -> list[dict[str
         for kind in steps:
             new = (rebalanced(placement, args.moves, rng) if kind == "rebalance"
                    else catalog_changed(placement, args.change_fraction, rng))
+            if kind == "catalog":
+                full_map.append(full_map_bytes(new))
             w0, r0, o0 = writer.bytes_written, sidecar.bytes_read, own.bytes_read
             t0 = time.perf_counter()
             await writer.publish(NAMESPACE, NAME, new, expected=placement.generation)
@@ -134,20 +151,26 @@ async def measure(server: EtcdServer, args: argparse.Namespace) -> list[dict[str
          "bytes_first_generation": old_write,
          "bytes_per_rebalance_generation": old_write,
          "bytes_per_catalog_change": old_write,
+         "bytes_per_catalog_change_median": old_write,
+         "bytes_per_catalog_change_full_map": None,
          "sidecar_read_bytes_per_rebalance": old_read,
          "sidecar_read_bytes_per_catalog_change": old_read,
          "own_clusters_read_bytes_per_rebalance": old_read,
          "seconds_per_rebalance": None,
+         "seconds_per_catalog_change": None,
          "etcd_db_bytes_after": None,
          "etcd_db_bytes_estimate": old_write * generations},
         {**common, "layout": "content-addressed",
          "bytes_first_generation": first_bytes,
          "bytes_per_rebalance_generation": _mean(written["rebalance"]),
          "bytes_per_catalog_change": _mean(written["catalog"]),
+         "bytes_per_catalog_change_median": int(np.median(written["catalog"])) if written["catalog"] else 0,
+         "bytes_per_catalog_change_full_map": _mean(full_map),
          "sidecar_read_bytes_per_rebalance": _mean(read["rebalance"]),
          "sidecar_read_bytes_per_catalog_change": _mean(read["catalog"]),
          "own_clusters_read_bytes_per_rebalance": _mean(own_read["rebalance"]),
          "seconds_per_rebalance": round(sum(seconds["rebalance"]) / max(1, len(seconds["rebalance"])), 4),
+         "seconds_per_catalog_change": round(sum(seconds["catalog"]) / max(1, len(seconds["catalog"])), 4),
          "etcd_db_bytes_after": db,
          "etcd_db_bytes_estimate": None},
     ]
@@ -165,10 +188,13 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     def mib(v: int | None) -> str:
         return "-" if v is None else f"{v / (1 << 20):.3f}"
 
-    print(f"{'layout':<19}{'items':>10}{'pods':>6}{'MiB/rebal':>11}{'MiB/catalog':>13}{'MiB read/rebal':>16}"
+    print(f"{'layout':<19}{'items':>10}{'pods':>6}{'MiB/rebal':>11}{'MiB/catalog':>13}{'(median)':>10}"
+          f"{'(full map)':>12}{'MiB read/rebal':>16}{'read/catalog':>14}"
           f"{'own MiB/rebal':>15}{'etcd DB MiB':>13}{'(estimate)':>12}{'quota MiB':>11}")
     for r in rows:
         print(f"{r['layout']:<19}{r['items']:>10}{r['pods']:>6}{mib(r['bytes_per_rebalance_generation']):>11}"
-              f"{mib(r['bytes_per_catalog_change']):>13}{mib(r['sidecar_read_bytes_per_rebalance']):>16}"
+              f"{mib(r['bytes_per_catalog_change']):>13}{mib(r['bytes_per_catalog_change_median']):>10}"
+              f"{mib(r['bytes_per_catalog_change_full_map']):>12}"
+              f"{mib(r['sidecar_read_bytes_per_rebalance']):>16}{mib(r['sidecar_read_bytes_per_catalog_change']):>14}"
               f"{mib(r['own_clusters_read_bytes_per_rebalance']):>15}{mib(r['etcd_db_bytes_after']):>13}"
               f"{mib(r['etcd_db_bytes_estimate']):>12}{mib(r['quota_bytes']):>11}")

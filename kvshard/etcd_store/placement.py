@@ -11,13 +11,18 @@ transaction; a bigger generation is claimed and written in steps
 (:meth:`PlacementStore._publish_in_steps`). Readers read a generation (and its map) at the revision
 ``current`` named it, so a prune never pulls it from under them; the last map read per CacheShard is
 kept in memory, so a generation that names the same map again reads no chunk.
+
+A catalog change that moves a few items is stored as a *delta* on the map the current generation
+names (its changes only, under the new map's digest; at most :data:`ps.MAX_DELTA_DEPTH` deep): a
+reader that holds the base reads only the changes, one that does not reads the chain. Pruning keeps
+every map a kept generation's chain needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Mapping
 from typing import Any
 
 import etcd3aio
@@ -28,6 +33,7 @@ from kvshard.etcd_keys import (
     assignment_key,
     current_key,
     generation_prefix,
+    item_map_base_key,
     item_map_chunk_key,
     item_map_manifest_key,
     item_map_prefix,
@@ -48,12 +54,22 @@ _GREATER = 1  # etcd's Compare.GREATER
 
 @dataclasses.dataclass
 class _CachedMap:
-    """The last item map read for one CacheShard: its manifest, the decoded chunks read so far (a
-    partial reader's), and the whole mapping once read whole (handed out again, same object)."""
+    """The last item map read (or published) for one CacheShard: its manifest, the decoded chunks
+    read so far (a partial reader's), and the whole mapping once read whole (handed out again, same
+    object). A delta map not yet read whole also holds its base's entry and its decoded changes."""
 
     manifest: ps.ItemMapManifest
     chunks: dict[int, dict[int, list[str]]]
-    whole: dict[str, int] | None = None
+    whole: Mapping[str, int] | None = None
+    base: _CachedMap | None = None
+    changes: dict[str, int | None] | None = None
+
+    def find(self, digest: str) -> _CachedMap | None:
+        """This entry or the entry of a map in its chain with ``digest``."""
+        entry: _CachedMap | None = self
+        while entry is not None and entry.manifest.digest != digest:
+            entry = entry.base
+        return entry
 
 
 class PlacementStore(EtcdClient):
@@ -92,7 +108,7 @@ class PlacementStore(EtcdClient):
         generation = placement.generation
         if generation <= expected:
             raise ValueError(f"generation {generation} must be newer than {expected}")
-        digest = await self._store_item_map(namespace, name, placement.item_clusters)
+        digest, base = await self._store_item_map(namespace, name, placement.item_clusters, expected)
         assignment = ps.encode_assignment(placement, 0, item_map=digest)
         kv = self._kv
         gen_prefix = generation_prefix(namespace, name, generation)
@@ -106,6 +122,11 @@ class PlacementStore(EtcdClient):
         # dropped it since it was stored): a conflict then, and the retry stores it again.
         map_present = kv.txn_compare_create_revision(item_map_manifest_key(namespace, name, digest), 0,
                                                      result=_GREATER)
+        if base:  # a delta's base too (named by generation ``expected``, so kept while it is current)
+            map_present = [map_present, kv.txn_compare_create_revision(
+                item_map_manifest_key(namespace, name, base), 0, result=_GREATER)]
+        else:
+            map_present = [map_present]
         writes = [kv.txn_op_put(assignment_key(namespace, name, generation), assignment)]
         swap = kv.txn_op_put(ckey, str(generation))
         clear = kv.txn_op_delete(gen_prefix, range_end=etcd3aio.prefix_range_end(gen_prefix))
@@ -113,9 +134,9 @@ class PlacementStore(EtcdClient):
         # still ``expected``, so another writer's generation is never touched).
         await self._call("publish", kv.txn([compare], [clear], timeout=self.timeout))
         if len(assignment) <= _TXN_LIMIT:
-            resp = await self._call("publish", kv.txn([compare, map_present], [*writes, swap], timeout=self.timeout))
+            resp = await self._call("publish", kv.txn([compare, *map_present], [*writes, swap], timeout=self.timeout))
         else:
-            resp = await self._publish_in_steps(kv, gen_prefix + "writer", compare, writes, swap, map_present)
+            resp = await self._publish_in_steps(kv, gen_prefix + "writer", compare, writes, swap, *map_present)
         if not resp.succeeded:
             raise GenerationConflictError(
                 f"{namespace}/{name}: current is no longer generation {expected} (or its item map was pruned "
@@ -124,10 +145,18 @@ class PlacementStore(EtcdClient):
         await self._prune(namespace, name, generation)
         return generation
 
-    async def _store_item_map(self, namespace: str, name: str, item_clusters: Any) -> str:
+    async def _store_item_map(self, namespace: str, name: str, item_clusters: Mapping[str, int], expected: int
+                              ) -> tuple[str, str]:
         """Store the item map of ``item_clusters`` unless its manifest is there already (chunks
-        first, the manifest last); return its digest. The digest of a mapping object read or
-        published before is remembered (:func:`ps.known_digest`), so a rebalance encodes nothing."""
+        first, the manifest last); return its digest and, when it was stored as a delta, its base's
+        ("" otherwise). The digest of a mapping object read or published before is remembered
+        (:func:`ps.known_digest`), so a rebalance encodes (and diffs) nothing.
+
+        A new map is stored as a delta (:func:`ps.encode_item_map_delta`) on the map generation
+        ``expected`` names when this store holds that map whole (it read or published it last), fewer
+        than :data:`ps.MAX_DELTA_FRACTION` of the items changed and the chain stays within
+        :data:`ps.MAX_DELTA_DEPTH`; else whole.
+        """
         digest = ps.known_digest(item_clusters)
         encoded = None
         if digest is None:
@@ -136,15 +165,49 @@ class PlacementStore(EtcdClient):
         manifest_key = item_map_manifest_key(namespace, name, digest)
         got = await self._call("read", self._kv.get(manifest_key, keys_only=True, timeout=self.timeout))
         if got.kvs:
-            return digest
+            return digest, ""
         if encoded is None:
             encoded = ps.encode_item_map(item_clusters)
-        for i, chunk in enumerate(encoded.chunks):
+        stored = await self._as_delta(namespace, name, encoded, item_clusters, expected) or encoded
+        base = stored.manifest.base
+        for i, chunk in enumerate(stored.chunks):
             await self._call("publish", self._kv.put(item_map_chunk_key(namespace, name, digest, i), chunk,
                                                      timeout=self.timeout))
-        await self._call("publish", self._kv.put(manifest_key, encoded.manifest.encode(), timeout=self.timeout))
-        self.item_map_bytes_written += encoded.size
-        return digest
+        if base:
+            await self._call("publish", self._kv.put(item_map_base_key(namespace, name, digest), base,
+                                                     timeout=self.timeout))
+        await self._call("publish", self._kv.put(manifest_key, stored.manifest.encode(), timeout=self.timeout))
+        self.item_map_bytes_written += stored.size
+        # This store now holds the new map whole: the next catalog change can be a delta on it, and
+        # reading the generation back reads no chunk.
+        self._item_maps[(namespace, name)] = _CachedMap(stored.manifest, {}, item_clusters)
+        return digest, base
+
+    async def _as_delta(self, namespace: str, name: str, encoded: ps.EncodedItemMap,
+                        item_clusters: Mapping[str, int], expected: int) -> ps.EncodedItemMap | None:
+        """``encoded`` as a delta on the map generation ``expected`` names, None when it should be
+        stored whole (see :meth:`_store_item_map`)."""
+        cached = self._item_maps.get((namespace, name))
+        if expected == 0 or cached is None or cached.whole is None or not item_clusters:
+            return None
+        if cached.manifest.digest == encoded.digest:  # the map itself went missing: store it whole again
+            return None
+        if cached.manifest.depth + 1 > ps.MAX_DELTA_DEPTH:
+            return None
+        got = await self._call("read", self._kv.get(assignment_key(namespace, name, expected), timeout=self.timeout))
+        if not got.kvs:
+            return None
+        try:
+            header = ps.decode_header(bytes(got.kvs[0].value))
+        except ps.PlacementFormatError:
+            return None
+        if header.item_map != cached.manifest.digest:
+            return None
+        limit = int(len(item_clusters) * ps.MAX_DELTA_FRACTION)
+        changes = ps.item_map_changes(cached.whole, item_clusters, limit)
+        if changes is None:
+            return None
+        return ps.encode_item_map_delta(encoded, cached.manifest, changes)
 
     async def _publish_in_steps(self, kv: Any, writer_key: str, compare: Any, writes: list[Any], swap: Any,
                                 *also: Any) -> Any:
@@ -182,7 +245,8 @@ class PlacementStore(EtcdClient):
         await self.prune_item_maps(namespace, name)
 
     async def prune_item_maps(self, namespace: str, name: str) -> int:
-        """Delete every stored item map that no stored generation names; returns how many."""
+        """Delete every stored item map that no stored generation names, directly or through a
+        delta's chain of bases; returns how many."""
         base = shard_prefix(namespace, name) + "gen/"
         resp = await self._range("list", base, keys_only=True)
         kept: set[str] = set()
@@ -196,9 +260,35 @@ class PlacementStore(EtcdClient):
         prefix = item_map_prefix(namespace, name)
         listed = await self._range("list", prefix, keys_only=True)
         stored = {kv.key.decode()[len(prefix):].split("/", 1)[0] for kv in listed.kvs}
+        keys = {kv.key.decode() for kv in listed.kvs}
+        deltas = {d for d in stored if item_map_base_key(namespace, name, d) in keys}
+        todo = [d for d in kept if d in deltas]
+        while todo:
+            got = await self._call("read", self._kv.get(item_map_base_key(namespace, name, todo.pop()),
+                                                        timeout=self.timeout))
+            if got.kvs:
+                base = bytes(got.kvs[0].value).decode()
+                if base not in kept:
+                    kept.add(base)
+                    if base in deltas:
+                        todo.append(base)
         stale = sorted(stored - kept)
+        # A delta goes before the map it is based on, so a prune cut short never leaves a stored
+        # manifest whose chain is incomplete (a publish of equal content would reuse it).
+        bases: dict[str, str] = {}
         for digest in stale:
-            await self._delete_range("prune", prefix + digest + "/")
+            if digest in deltas:
+                got = await self._call("read", self._kv.get(item_map_base_key(namespace, name, digest),
+                                                            timeout=self.timeout))
+                if got.kvs:
+                    bases[digest] = bytes(got.kvs[0].value).decode()
+        left = set(stale)
+        while left:
+            needed = {bases[d] for d in left if d in bases}
+            ready = sorted(d for d in left if d not in needed) or sorted(left)  # (a cycle: cannot be, but end)
+            for digest in ready:
+                await self._delete_range("prune", prefix + digest + "/")
+            left -= set(ready)
         return len(stale)
 
     async def read_generation(self, namespace: str, name: str, generation: int, *, revision: int = 0,
@@ -250,39 +340,89 @@ class PlacementStore(EtcdClient):
         raise AssertionError("unreachable")
 
     async def _read_item_map(self, namespace: str, name: str, digest: str, revision: int,
-                             clusters: set[int] | None) -> dict[str, int]:
+                             clusters: set[int] | None) -> Mapping[str, int]:
         """Item → cluster of item map ``digest`` (of ``clusters`` only, when given), reading only the
-        chunks the last map read for this shard does not already hold."""
-        cached = self._item_maps.get((namespace, name))
-        if cached is None or cached.manifest.digest != digest:
-            got = await self._range_at("read", item_map_manifest_key(namespace, name, digest), revision, prefix=False)
+        chunks the last map read for this shard (and its chain of bases) does not already hold. A
+        delta map is its base (read the same way, recursively) with its changes applied."""
+        key = (namespace, name)
+        cached = self._item_maps.get(key)
+        entry = await self._map_entry(namespace, name, digest, revision, cached)
+        self._item_maps[key] = entry
+        return await self._items_of(namespace, name, entry, revision, clusters)
+
+    async def _map_entry(self, namespace: str, name: str, digest: str, revision: int,
+                         cached: _CachedMap | None) -> _CachedMap:
+        """The cache entry of map ``digest``: from ``cached``'s chain, else its manifest (and, for a
+        delta, its changes and its base's entry) read from etcd."""
+        found = cached.find(digest) if cached is not None else None
+        if found is not None:
+            return found
+        got = await self._range_at("read", item_map_manifest_key(namespace, name, digest), revision, prefix=False)
+        if not got.kvs:
+            raise ps.PlacementFormatError(f"{namespace}/{name} has no item map {digest}")
+        manifest = ps.decode_item_map_manifest(bytes(got.kvs[0].value))
+        if manifest.digest != digest:
+            raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} names {manifest.digest}")
+        entry = _CachedMap(manifest, {})
+        if not manifest.is_delta:
+            return entry
+        if manifest.depth > ps.MAX_DELTA_DEPTH:
+            raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} is {manifest.depth} deltas deep")
+        changes: dict[str, int | None] = {}
+        for n in range(manifest.chunks):
+            got = await self._range_at("read", item_map_chunk_key(namespace, name, digest, n), revision, prefix=False)
             if not got.kvs:
-                raise ps.PlacementFormatError(f"{namespace}/{name} has no item map {digest}")
-            cached = _CachedMap(ps.decode_item_map_manifest(bytes(got.kvs[0].value)), {})
-            self._item_maps[(namespace, name)] = cached
-        if cached.whole is not None:
+                raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} lacks chunk {n}")
+            changes.update(ps.decode_item_map_delta_chunk(bytes(got.kvs[0].value)))
+        if len(changes) != manifest.changes:
+            raise ps.PlacementFormatError(f"item map {digest} holds {len(changes)} of {manifest.changes} changes")
+        entry.changes = changes
+        entry.base = await self._map_entry(namespace, name, manifest.base, revision, cached)
+        if entry.base.manifest.depth != manifest.depth - 1:
+            raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} is {manifest.depth} deltas deep "
+                                          f"but its base {manifest.base} is {entry.base.manifest.depth}")
+        return entry
+
+    async def _items_of(self, namespace: str, name: str, entry: _CachedMap, revision: int,
+                        clusters: set[int] | None) -> Mapping[str, int]:
+        manifest = entry.manifest
+        digest = manifest.digest
+        if entry.whole is not None:
             if clusters is None:
-                return cached.whole
-            return {i: c for i, c in cached.whole.items() if c in clusters}
-        manifest = cached.manifest
+                return entry.whole
+            return {i: c for i, c in entry.whole.items() if c in clusters}
+        if manifest.is_delta:
+            assert entry.base is not None and entry.changes is not None
+            based = await self._items_of(namespace, name, entry.base, revision, clusters)
+            if clusters is not None:  # the base's items of those clusters: a new dict, ours to change
+                return ps.apply_item_map_changes(
+                    based if isinstance(based, dict) and based is not entry.base.whole else dict(based),
+                    entry.changes, clusters)
+            whole = ps.apply_item_map_changes(dict(based), entry.changes)
+            if len(whole) != manifest.items:
+                raise ps.PlacementFormatError(f"item map {digest} holds {len(whole)} of {manifest.items} items")
+            # Whole now: the chain is no longer needed.
+            entry.whole, entry.base, entry.changes = whole, None, None
+            ps.remember_digest(whole, digest)
+            return whole
         needed = range(manifest.chunks) if clusters is None else manifest.chunks_for(clusters)
         for n in needed:
-            if n in cached.chunks:
+            if n in entry.chunks:
                 continue
             got = await self._range_at("read", item_map_chunk_key(namespace, name, digest, n), revision, prefix=False)
             if not got.kvs:
                 raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} lacks chunk {n}")
-            cached.chunks[n] = ps.decode_item_map_chunk(bytes(got.kvs[0].value))
+            entry.chunks[n] = ps.decode_item_map_chunk(bytes(got.kvs[0].value))
         if clusters is None:
-            whole = ps.item_clusters_of(cached.chunks[n] for n in needed)
+            whole = ps.item_clusters_of(entry.chunks[n] for n in needed)
             if len(whole) != manifest.items:
                 raise ps.PlacementFormatError(f"item map {digest} holds {len(whole)} of {manifest.items} items")
-            cached.whole, cached.chunks = whole, {}
+            entry.whole, entry.chunks = whole, {}
             ps.remember_digest(whole, digest)
             return whole
         # A partial reader keeps only the chunks it needs now.
-        cached.chunks = {n: cached.chunks[n] for n in needed}
-        return ps.item_clusters_of((cached.chunks[n] for n in needed), clusters)
+        entry.chunks = {n: entry.chunks[n] for n in needed}
+        return ps.item_clusters_of((entry.chunks[n] for n in needed), clusters)
 
     async def read_current(self, namespace: str, name: str, *, clusters: Collection[int] | None = None,
                            clusters_of: str | None = None) -> ps.Placement | None:

@@ -32,4 +32,6 @@ def test_publish_bench_reports_both_layouts(etcd_server: EtcdServer, tmp_path: P
     assert new["sidecar_read_bytes_per_rebalance"] < old["sidecar_read_bytes_per_rebalance"]
     assert new["etcd_db_bytes_after"] > 0
     assert new["bytes_per_catalog_change"] > new["bytes_per_rebalance_generation"]
+    # 1 % of the items relabelled: a delta, far below a whole map
+    assert new["bytes_per_catalog_change"] < 0.25 * new["bytes_per_catalog_change_full_map"]
     json.dumps(rows)
