@@ -28,7 +28,7 @@ from typing import Any
 from kvshard import blend_policy as bp
 from kvshard import etcd_store
 from kvshard_operator import conditions as cond
-from kvshard_operator import metrics, validation
+from kvshard_operator import etcd_clients, metrics, validation
 from kvshard_operator.fidelity_policy import Counts, Decision, Memory, Target, decide
 from kvshard_operator.prometheus import PrometheusClient, PrometheusError, promql_string, shard_selector, window
 from kvshard_operator.reconcile import SecretReader, etcd_access
@@ -128,7 +128,7 @@ def _status(status: Mapping[str, Any], generation: int | None, policy: bp.BlendP
 async def guard_shard(
     *, namespace: str, name: str, spec: Mapping[str, Any], status: Mapping[str, Any], generation: int | None,
     settings: Settings, state: GuardState, logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
-    now: float, read_secret: SecretReader | None = None,
+    now: float, read_secret: SecretReader | None = None, etcd: etcd_clients.EtcdClients | None = None,
 ) -> GuardOutcome | None:
     """One tick (see the module docstring); None when there is nothing to do or etcd is away (logged)."""
     try:
@@ -142,7 +142,7 @@ async def guard_shard(
     decision: Decision | None = None
     try:
         access = await etcd_access(spec, namespace, read_secret)
-        async with access.store(timeout=settings.etcd_timeout_seconds) as store:
+        async with etcd_clients.session(access, timeout=settings.etcd_timeout_seconds, clients=etcd) as store:
             current, version = await store.read_blend(namespace, name)
             if state.spec_key is None and (_resumable(current, wanted, fidelity) or wanted.same_settings(current)):
                 state.spec_key = key  # an operator restart: resume from the published ratio

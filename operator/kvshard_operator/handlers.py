@@ -8,8 +8,10 @@
 * delete → the finalizer removes every etcd key of the CacheShard first;
 * a rebalance timer re-replicates hot clusters and drops cold replicas once per
   ``spec.rebalance.intervalSeconds``, from Prometheus rates (:mod:`rebalancer`);
-* a warm timer follows the pods' warm reports in etcd into the ``Warm`` condition and the
-  ``warmPods``/``warmClusters`` counts (:mod:`warmth`);
+* a warm daemon watches the pods' warm reports in etcd, and a warm timer writes what it decided into
+  the ``Warm`` condition and the ``warmPods``/``warmClusters`` counts (:mod:`warmth`);
+* every etcd call goes through the process's shared connections (:mod:`etcd_clients`), and the etcd
+  Secrets come from a Secret index, not from the API on every tick;
 * a catalog timer re-reads ``spec.catalog`` every ``spec.catalog.refreshSeconds`` (ConfigMap edited,
   file replaced, URL content changed) and re-places when it changed: polling, because a file and a URL
   cannot be watched, and one mechanism is easier to reason about than three.
@@ -22,6 +24,7 @@ kopf fixes timer intervals at registration: those ``kvshard operator run`` confi
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import logging
 import time
@@ -35,6 +38,7 @@ from kvshard_operator import (
     catalog,
     catalog_vectors,
     crd,
+    etcd_clients,
     guard,
     kube,
     learned,
@@ -48,6 +52,7 @@ from kvshard_operator import settings as settings_mod
 from kvshard_operator.reconcile import (
     EtcdAccess,
     PodView,
+    SecretReader,
     ShardState,
     etcd_access,
     etcd_error_kind,
@@ -58,6 +63,10 @@ from kvshard_operator.reconcile import (
 SETTINGS = settings_mod.current()
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
 PodIndex = kopf.Index[str | None, PodView]
+SecretIndex = kopf.Index[tuple[str | None, str], dict[str, bytes]]
+ETCD_SECRET_KEYS = frozenset({"ca.crt", "username"})
+"""A Secret holding one of these keys may be a ``spec.etcd`` Secret (``tls.secretRef``: ``ca.crt``,
+``tls.crt``, ``tls.key``; ``secretRef``: ``username``, ``password``): only those are indexed."""
 
 
 def _is_ready(status: Mapping[str, Any], meta: Mapping[str, Any]) -> bool:
@@ -77,8 +86,19 @@ def configure(*, settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=SETTINGS.annotation_prefix)
     settings.peering.standalone = not SETTINGS.peering
     settings.posting.level = logging.WARNING
+    etcd_clients.CLIENTS.backoff_seconds = SETTINGS.retry_backoff_seconds
+    etcd_clients.CLIENTS.backoff_max = SETTINGS.retry_backoff_max
+    metrics.ETCD_QUOTA_BYTES.set(SETTINGS.etcd_quota_bytes)
     logger.info("kvshard operator configured: finalizer %s, peering %s", SETTINGS.finalizer,
                 "on" if SETTINGS.peering else "off")
+
+
+@kopf.on.cleanup()
+async def close_etcd(*, logger: kopf.Logger, **_: Any) -> None:
+    """Close the process's etcd connections (:mod:`etcd_clients`)."""
+    logger.info("closing %d etcd connections (%d opened since start)", len(etcd_clients.CLIENTS),
+                etcd_clients.CLIENTS.opened)
+    await etcd_clients.CLIENTS.close()
 
 
 @kopf.index("pods")
@@ -86,6 +106,32 @@ def pod_index(*, namespace: str | None, name: str, labels: Mapping[str, str], st
               meta: kopf.Meta, **_: Any) -> dict[str | None, PodView]:
     """Every pod by namespace, with its labels and readiness (selectors are evaluated later)."""
     return {namespace: PodView(name=name, labels=dict(labels), ready=_is_ready(status, meta))}
+
+
+def _holds_etcd_material(body: kopf.Body, **_: Any) -> bool:
+    return bool(ETCD_SECRET_KEYS & set(body.get("data") or {}))
+
+
+@kopf.index("secrets", when=_holds_etcd_material)
+def secret_index(*, namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str | None, str],
+                                                                                      dict[str, bytes]]:
+    """The etcd Secrets (CA and client certificate, or username and password) by (namespace, name),
+    decoded: every timer resolves ``spec.etcd`` from here instead of reading the Secret from the API
+    on every tick (a renewed certificate arrives with the watch). Other Secrets are not kept."""
+    data = body.get("data") or {}
+    return {(namespace, name): {key: base64.b64decode(value) for key, value in data.items()}}
+
+
+def _secrets(index: SecretIndex | None) -> SecretReader:
+    """A reader of etcd Secrets from ``index``, falling back to the API on a miss (the watch may not
+    have delivered a Secret created a moment ago, and an unindexed Secret gets its error from there)."""
+    def read(namespace: str, name: str) -> Mapping[str, bytes]:
+        if index is not None:
+            for data in index.get((namespace, name), ()):
+                return data
+        return kube.read_secret(namespace, name)
+
+    return read
 
 
 def _state(memo: Any) -> ShardState:
@@ -118,7 +164,7 @@ def _owner(name: str, meta: kopf.Meta) -> dict[str, str] | None:
 async def _place(
     trigger: str, *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
     patch: kopf.Patch, memo: Any, pod_index: PodIndex | None, logger: kopf.Logger,
-    preloaded: catalog_vectors.Loaded | catalog.CatalogError | None = None,
+    preloaded: catalog_vectors.Loaded | catalog.CatalogError | None = None, secret_index: SecretIndex | None = None,
 ) -> None:
     state = _state(memo)
     async with state.lock:
@@ -127,9 +173,9 @@ async def _place(
             namespace=str(namespace), name=name, spec=dict(spec), status=dict(status),
             generation=meta.get("generation"), pods=_pods(pod_index, namespace), settings=SETTINGS, state=state,
             trigger=trigger, logger=logger,
-            read_configmap=kube.read_configmap, read_secret=kube.read_secret,
+            read_configmap=kube.read_configmap, read_secret=_secrets(secret_index),
             read_secret_key=kube.read_secret_key, preloaded=preloaded,
-            jobs=kube.Jobs(owner=_owner(name, meta)),
+            jobs=kube.Jobs(owner=_owner(name, meta)), etcd=etcd_clients.CLIENTS,
         )
     published = outcome.published
     if published is not None and published != status.get("placementGeneration"):
@@ -145,37 +191,41 @@ async def _place(
 @kopf.on.create(*RESOURCE)
 async def create_shard(
     *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
-    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None,
+    secret_index: SecretIndex | None = None, **_: Any,
 ) -> None:
     """A new CacheShard: first placement, generation 1."""
     await _place("created", namespace=namespace, name=name, spec=spec, status=status, meta=meta, patch=patch,
-                 memo=memo, pod_index=pod_index, logger=logger)
+                 memo=memo, pod_index=pod_index, logger=logger, secret_index=secret_index)
 
 
 @kopf.on.update(*RESOURCE)
 async def update_shard(
     *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
-    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None,
+    secret_index: SecretIndex | None = None, **_: Any,
 ) -> None:
     """The spec changed: re-place, keeping every cluster replica that may stay where it is."""
     await _place("spec", namespace=namespace, name=name, spec=spec, status=status, meta=meta, patch=patch,
-                 memo=memo, pod_index=pod_index, logger=logger)
+                 memo=memo, pod_index=pod_index, logger=logger, secret_index=secret_index)
 
 
 @kopf.on.resume(*RESOURCE)
 async def resume_shard(
     *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
-    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None,
+    secret_index: SecretIndex | None = None, **_: Any,
 ) -> None:
     """Operator restart: reconcile; publishes nothing if etcd already holds this placement."""
     await _place("resume", namespace=namespace, name=name, spec=spec, status=status, meta=meta, patch=patch,
-                 memo=memo, pod_index=pod_index, logger=logger)
+                 memo=memo, pod_index=pod_index, logger=logger, secret_index=secret_index)
 
 
 @kopf.timer(*RESOURCE, interval=SETTINGS.pod_sync_seconds, initial_delay=SETTINGS.pod_sync_seconds)
 async def follow_pods(
     *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
-    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None,
+    secret_index: SecretIndex | None = None, **_: Any,
 ) -> None:
     """Re-place when the selected ready pods changed, or when a transient-error retry is due."""
     state = _state(memo)
@@ -190,13 +240,15 @@ async def follow_pods(
     if state.attempted_pods is None or (live == state.attempted_pods and not due):
         return
     await _place("pods" if live != state.attempted_pods else "retry", namespace=namespace, name=name, spec=spec,
-                 status=status, meta=meta, patch=patch, memo=memo, pod_index=pod_index, logger=logger)
+                 status=status, meta=meta, patch=patch, memo=memo, pod_index=pod_index, logger=logger,
+                 secret_index=secret_index)
 
 
 @kopf.timer(*RESOURCE, interval=SETTINGS.catalog_check_seconds, initial_delay=SETTINGS.catalog_check_seconds)
 async def follow_catalog(
     *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
-    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None, **_: Any,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, pod_index: PodIndex | None = None,
+    secret_index: SecretIndex | None = None, **_: Any,
 ) -> None:
     """Re-read the catalog once per ``spec.catalog.refreshSeconds``; re-place when what it holds
     (its version, or the error reading it) differs from what the last placement saw."""
@@ -220,13 +272,13 @@ async def follow_catalog(
     logger.info("catalog changed (%s); re-placing", seen if isinstance(found, catalog.CatalogError)
                 else f"version {seen[:12]}, {len(found.catalog)} items")
     await _place("catalog", namespace=namespace, name=name, spec=spec, status=status, meta=meta, patch=patch,
-                 memo=memo, pod_index=pod_index, logger=logger, preloaded=found)
+                 memo=memo, pod_index=pod_index, logger=logger, secret_index=secret_index, preloaded=found)
 
 
 @kopf.timer(*RESOURCE, interval=SETTINGS.rebalance_check_seconds, initial_delay=SETTINGS.rebalance_check_seconds)
 async def rebalance(
     *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
-    patch: kopf.Patch, memo: Any, logger: kopf.Logger, **_: Any,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, secret_index: SecretIndex | None = None, **_: Any,
 ) -> None:
     """Hot/cold rebalancing: once per ``spec.rebalance.intervalSeconds``, skipped while a
     (re)placement holds the shard's lock (the next tick tries again)."""
@@ -242,7 +294,7 @@ async def rebalance(
         outcome = await rebalancer.rebalance_shard(
             namespace=str(namespace), name=name, spec=dict(spec), status=dict(status),
             generation=meta.get("generation"), settings=SETTINGS, state=state, logger=logger,
-            read_secret=kube.read_secret)
+            read_secret=_secrets(secret_index), etcd=etcd_clients.CLIENTS)
     if outcome is not None and _changed(status, outcome.status):
         # against the freshest object: this tick's ``status`` may predate a placement just published
         patch.fns.append(functools.partial(cond.merge_status, fields=outcome.status, owned=(cond.REBALANCING,),
@@ -251,7 +303,8 @@ async def rebalance(
 
 @kopf.timer(*RESOURCE, interval=SETTINGS.rebalance_check_seconds, initial_delay=SETTINGS.rebalance_check_seconds)
 async def colocate(
-    *, namespace: str | None, name: str, spec: kopf.Spec, memo: Any, logger: kopf.Logger, **_: Any,
+    *, namespace: str | None, name: str, spec: kopf.Spec, memo: Any, logger: kopf.Logger,
+    secret_index: SecretIndex | None = None, **_: Any,
 ) -> None:
     """Traffic-learned colocation (:mod:`learned`): once per ``spec.colocation.intervalSeconds``,
     skipped while a (re)placement or rebalance holds the shard's lock (the next tick tries again)."""
@@ -265,7 +318,8 @@ async def colocate(
     async with state.lock:
         outcome = await learned.colocate_shard(
             namespace=str(namespace), name=name, spec=dict(spec), state=memo.kvshard_learned, settings=SETTINGS,
-            read_secret=kube.read_secret, now=time.time(), slack_seconds=SETTINGS.rebalance_check_seconds / 2)
+            read_secret=_secrets(secret_index), now=time.time(), slack_seconds=SETTINGS.rebalance_check_seconds / 2,
+            etcd=etcd_clients.CLIENTS)
     if outcome is not None and outcome.published is not None:
         metrics.PLACEMENT_GENERATION.labels(metrics.shard_label(str(namespace), name)).set(outcome.published)
         logger.info("colocation: %s", outcome.message)
@@ -274,7 +328,7 @@ async def colocate(
 @kopf.timer(*RESOURCE, interval=SETTINGS.fidelity_check_seconds, initial_delay=SETTINGS.fidelity_check_seconds)
 async def follow_fidelity(
     *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
-    patch: kopf.Patch, memo: Any, logger: kopf.Logger, **_: Any,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, secret_index: SecretIndex | None = None, **_: Any,
 ) -> None:
     """The blend in force: publish ``spec.blend`` to etcd and, with ``spec.fidelity``, steer the ratio
     to the agreement target once per interval (:mod:`guard`); ``FidelityMet`` is written as a patch
@@ -286,36 +340,95 @@ async def follow_fidelity(
         state = memo.kvshard_guard = guard.GuardState()
     outcome = await guard.guard_shard(namespace=str(namespace), name=name, spec=dict(spec), status=dict(status),
                                       generation=meta.get("generation"), settings=SETTINGS, state=state,
-                                      logger=logger, now=time.time(), read_secret=kube.read_secret)
+                                      logger=logger, now=time.time(), read_secret=_secrets(secret_index),
+                                      etcd=etcd_clients.CLIENTS)
     if outcome is not None and _changed(status, outcome.status):
         patch.fns.append(functools.partial(cond.merge_status, fields=outcome.status, owned=(guard.FIDELITY_MET,),
                                            observed_generation=meta.get("generation")))
 
 
+def _warm_watch(memo: Any) -> warmth.WarmWatch:
+    watch = getattr(memo, "kvshard_warm", None)
+    if watch is None:
+        watch = memo.kvshard_warm = warmth.WarmWatch()
+    return watch
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=5.0)
+async def watch_warm(
+    *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, memo: Any, logger: kopf.Logger,
+    stopped: kopf.DaemonStopped, retry: int, secret_index: SecretIndex | None = None, **_: Any,
+) -> None:
+    """Follow the pods' warm reports in etcd (a watch on the shared connection, :func:`warmth.follow`)
+    into the shard's memo, where :func:`follow_warm` picks the decision up. ``spec`` and ``status`` are
+    kopf's live views. etcd trouble is decided as ``Warm=Unknown`` and retried by kopf after a growing
+    delay (``kopf.TemporaryError``)."""
+    watch = _warm_watch(memo)
+    while not stopped:
+        if not status.get("placementGeneration"):
+            await stopped.wait(SETTINGS.pod_sync_seconds)  # the change handlers own the shard until then
+            continue
+        try:
+            valid = validation.validate_spec(spec)
+        except validation.InvalidCacheShardError:
+            await stopped.wait(SETTINGS.pod_sync_seconds)  # the change handlers report the spec
+            continue
+        try:
+            access = await etcd_access(valid, str(namespace), _secrets(secret_index))
+            async with etcd_clients.session(access, timeout=SETTINGS.etcd_timeout_seconds,
+                                            clients=etcd_clients.CLIENTS) as store:
+                await warmth.follow(store, str(namespace), name, watch, lambda: status.get("placementGeneration"))
+        except (ValueError, etcd_store.EtcdStoreError) as exc:  # PlacementFormatError is a ValueError
+            watch.decide(warmth.Warmth(cond.UNKNOWN, warmth.ETCD_UNAVAILABLE, f"cannot read warm reports: {exc}"),
+                         None)
+            watch.placement = None
+            delay = min(SETTINGS.retry_backoff_seconds * 2 ** retry, SETTINGS.retry_backoff_max)
+            raise kopf.TemporaryError(f"warm report watch: {exc}", delay=delay) from exc
+
+
 @kopf.timer(*RESOURCE, interval=SETTINGS.warm_check_seconds, initial_delay=SETTINGS.warm_check_seconds)
 async def follow_warm(
     *, namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
-    patch: kopf.Patch, logger: kopf.Logger, **_: Any,
+    patch: kopf.Patch, memo: Any, logger: kopf.Logger, secret_index: SecretIndex | None = None, **_: Any,
 ) -> None:
-    """The ``Warm`` condition and the warm counts, from the warm reports in etcd; written as a
-    patch function (a JSON patch of just these fields against the freshest object)."""
-    if not status.get("placementGeneration"):
+    """The ``Warm`` condition and the warm counts as the warm daemon decided them (no etcd read here);
+    written as a patch function (a JSON patch of just these fields against the freshest object). Also
+    etcd's DB size (``kvshard_operator_etcd_db_bytes``), at most once per ``etcd_db_check_seconds``."""
+    published = status.get("placementGeneration")
+    if not published:
         return  # nothing published yet: the change handlers own the conditions until then
-    try:
-        valid = validation.validate_spec(spec)
-    except validation.InvalidCacheShardError:
-        return  # the change handlers report the spec
-    found = await warmth.observe(namespace=str(namespace), name=name, spec=valid, settings=SETTINGS,
-                                 read_secret=kube.read_secret)
-    if not warmth.current(status, found):
+    checked = getattr(memo, "kvshard_db_checked_at", None)
+    if checked is None or time.monotonic() - checked >= SETTINGS.etcd_db_check_seconds:
+        memo.kvshard_db_checked_at = time.monotonic()
+        try:
+            valid = validation.validate_spec(spec)
+        except validation.InvalidCacheShardError:
+            return  # the change handlers report the spec
+        await _export_db_size(str(namespace), name, valid, _secrets(secret_index), logger)
+    found = warmth.due(_warm_watch(memo), int(published))
+    if found is not None and not warmth.current(status, found):
         if found.status != (cond.get(status.get("conditions"), cond.WARM) or {}).get("status"):
             logger.info("Warm=%s (%s): %s", found.status, found.reason, found.message)
         patch.fns.append(functools.partial(warmth.apply, warmth=found, generation=meta.get("generation")))
 
 
+async def _export_db_size(namespace: str, name: str, spec: Mapping[str, Any], read_secret: SecretReader,
+                          logger: kopf.Logger) -> None:
+    """``kvshard_operator_etcd_db_bytes`` of this CacheShard's etcd; a failure is logged, not raised."""
+    try:
+        access = await etcd_access(spec, namespace, read_secret)
+        async with etcd_clients.session(access, timeout=SETTINGS.etcd_timeout_seconds,
+                                        clients=etcd_clients.CLIENTS) as store:
+            size = await store.db_size()
+    except (ValueError, etcd_store.EtcdStoreError) as exc:
+        logger.debug("cannot read etcd's DB size: %s", exc)
+        return
+    metrics.ETCD_DB_BYTES.labels(metrics.shard_label(namespace, name)).set(size)
+
+
 @kopf.on.delete(*RESOURCE)
 async def delete_shard(*, namespace: str | None, name: str, spec: kopf.Spec, logger: kopf.Logger, retry: int,
-                       **_: Any) -> None:
+                       secret_index: SecretIndex | None = None, **_: Any) -> None:
     """The finalizer: remove every etcd key of this CacheShard before Kubernetes forgets it, then its
     metric series (kept while the keys are, so a retried delete still shows the generation in force)."""
     endpoints = (spec.get("etcd") or {}).get("endpoints") or []
@@ -323,12 +436,14 @@ async def delete_shard(*, namespace: str | None, name: str, spec: kopf.Spec, log
         metrics.forget_shard(str(namespace), name)
         return
     try:
-        access = await etcd_access(spec, str(namespace), kube.read_secret)
+        access = await etcd_access(spec, str(namespace), _secrets(secret_index))
     except (ValueError, KeyError, TypeError) as exc:  # the spec is not validated on delete
         logger.warning("cannot read the etcd Secrets (%s); trying without", exc)
         access = EtcdAccess(tuple(endpoints))
     try:
-        async with access.store(timeout=SETTINGS.etcd_timeout_seconds) as store:
+        # a store of its own, not the shared one: a delete is a one-off, and kopf's retry delay below
+        # (not the holder's reconnect backoff) decides when it is tried again
+        async with etcd_clients.session(access, timeout=SETTINGS.etcd_timeout_seconds) as store:
             deleted = await store.delete_all(str(namespace), name)
     except etcd_store.EtcdStoreError as exc:
         metrics.PUBLISH_ERRORS.labels(etcd_error_kind(exc)).inc()

@@ -27,7 +27,7 @@ from typing import Any
 from kvshard import etcd_store
 from kvshard import placement_schema as ps
 from kvshard.corequest_schema import merge
-from kvshard_operator import colocation
+from kvshard_operator import colocation, etcd_clients, metrics
 from kvshard_operator.reconcile import SecretReader, etcd_access
 from kvshard_operator.settings import Settings
 
@@ -64,7 +64,8 @@ def settings_of(colocation_spec: Mapping[str, Any]) -> LearnedSettings:
 
 async def colocate_shard(*, namespace: str, name: str, spec: Mapping[str, Any], state: LearnedState,
                          settings: Settings, read_secret: SecretReader | None, now: float,
-                         slack_seconds: float = 0.0) -> LearnedOutcome | None:
+                         slack_seconds: float = 0.0,
+                         etcd: etcd_clients.EtcdClients | None = None) -> LearnedOutcome | None:
     """The timer's entry: one interval when ``spec.colocation.enabled`` and the interval has passed
     (None otherwise). The caller holds the CacheShard's lock, so this never interleaves with a
     reconcile or a rebalance (both also publish generations)."""
@@ -77,7 +78,7 @@ async def colocate_shard(*, namespace: str, name: str, spec: Mapping[str, Any], 
     state.at = now
     try:
         access = await etcd_access(spec, namespace, read_secret)
-        async with access.store(timeout=settings.etcd_timeout_seconds) as store:
+        async with etcd_clients.session(access, timeout=settings.etcd_timeout_seconds, clients=etcd) as store:
             return await learn_shard(store, namespace, name, state, settings_of(config))
     except (ValueError, etcd_store.EtcdStoreError) as exc:
         logger.warning("colocation skipped: %s", exc)
@@ -114,7 +115,9 @@ async def learn_shard(store: etcd_store.EtcdStore, namespace: str, name: str, st
             return LearnedOutcome("Unchanged", f"generation {current.generation}: no swap gains",
                                   local_before=result.local_before, local_after=result.local_after)
         new = dataclasses.replace(current, generation=current.generation + 1, assignment=result.assignment)
+        written = store.bytes_written
         published = await store.publish(namespace, name, new, expected=current.generation)
+        metrics.PLACEMENT_BYTES_WRITTEN.labels(metrics.shard_label(namespace, name)).set(store.bytes_written - written)
     except etcd_store.GenerationConflictError as exc:
         logger.warning("colocation skipped this interval: %s", exc)
         return LearnedOutcome("GenerationConflict", str(exc))

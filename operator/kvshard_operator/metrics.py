@@ -71,9 +71,29 @@ FIDELITY_MAX_RATIO = Gauge(
     "spec.fidelity.maxRatioPercent as a fraction, per CacheShard.",
     ["cacheshard"],
 )
+ETCD_CONNECTIONS_OPENED = Counter(
+    "kvshard_operator_etcd_connections_opened",
+    "etcd connections the operator opened (one per distinct etcd access, again after an outage; "
+    "not one per tick).",
+)
+PLACEMENT_BYTES_WRITTEN = Gauge(
+    "kvshard_operator_placement_bytes_written",
+    "Bytes (keys + values) the last published generation wrote to etcd, per CacheShard.",
+    ["cacheshard"],
+)
+ETCD_DB_BYTES = Gauge(
+    "kvshard_operator_etcd_db_bytes",
+    "etcd's backend database size in bytes, as the CacheShard's etcd reports it (at most every 30 s).",
+    ["cacheshard"],
+)
+ETCD_QUOTA_BYTES = Gauge(
+    "kvshard_operator_etcd_quota_bytes",
+    "etcd's backend quota (--quota-backend-bytes) the operator was told (setting etcd_quota_bytes); 0: unknown.",
+)
 
 
-PER_SHARD: tuple[Gauge, ...] = (PLACEMENT_GENERATION, BLEND_RATIO, FIDELITY_TARGET, FIDELITY_MAX_RATIO)
+PER_SHARD: tuple[Gauge, ...] = (PLACEMENT_GENERATION, BLEND_RATIO, FIDELITY_TARGET, FIDELITY_MAX_RATIO,
+                                PLACEMENT_BYTES_WRITTEN, ETCD_DB_BYTES)
 """Every metric labelled by CacheShard (its only label, ``cacheshard``)."""
 
 

@@ -34,7 +34,7 @@ from kvshard import etcd_store
 from kvshard import placement_schema as ps
 from kvshard.rebalance import Action, PodStats, RebalanceSettings, rebalance
 from kvshard_operator import conditions as cond
-from kvshard_operator import metrics, validation
+from kvshard_operator import etcd_clients, metrics, validation
 from kvshard_operator.prometheus import Heat, PrometheusClient, PrometheusError
 from kvshard_operator.reconcile import SecretReader, ShardState, etcd_access, etcd_error_kind
 from kvshard_operator.settings import Settings
@@ -144,6 +144,7 @@ async def rebalance_shard(
     state: ShardState,
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
     read_secret: SecretReader | None = None,
+    etcd: etcd_clients.EtcdClients | None = None,
     now: float | None = None,
 ) -> RebalanceOutcome | None:
     """Run one interval (see the module docstring); None when there is nothing to do yet (invalid
@@ -173,9 +174,8 @@ async def rebalance_shard(
         state.rebalanced_at = at
         return finish("EtcdUnavailable", cond.FALSE, f"cannot read the etcd Secrets: {exc}", stamp=False)
 
-    store = access.store(timeout=settings.etcd_timeout_seconds)
     try:
-        async with store:
+        async with etcd_clients.session(access, timeout=settings.etcd_timeout_seconds, clients=etcd) as store:
             current = await store.read_current(namespace, name)
             if current is None:
                 return None  # the first placement is not published yet
@@ -204,7 +204,10 @@ async def rebalance_shard(
                               f"generation {current.generation} is balanced: no cluster above "
                               f"{config['hotThresholdPercent']}% of the mean rate, no pod overloaded", heat_key=key)
             new = dataclasses.replace(current, generation=current.generation + 1, assignment=result.assignment)
+            written = store.bytes_written
             published = await store.publish(namespace, name, new, expected=current.generation)
+            metrics.PLACEMENT_BYTES_WRITTEN.labels(metrics.shard_label(str(namespace), name)).set(
+                store.bytes_written - written)
             state.rebalance = result.state
     except etcd_store.GenerationConflictError as exc:
         metrics.PUBLISH_ERRORS.labels("conflict").inc()

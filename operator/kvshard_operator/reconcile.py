@@ -33,7 +33,16 @@ from kvshard_operator import catalog as catalogs
 from kvshard_operator import catalog_update as updates
 from kvshard_operator import catalog_vectors as given
 from kvshard_operator import conditions as cond
-from kvshard_operator import embed_job, embedding, metrics, placement, placement_large, selectors, validation
+from kvshard_operator import (
+    embed_job,
+    embedding,
+    etcd_clients,
+    metrics,
+    placement,
+    placement_large,
+    selectors,
+    validation,
+)
 from kvshard_operator.settings import Settings
 from kvshard_operator.vectors import ArrayVectors
 
@@ -266,11 +275,13 @@ async def reconcile(
     read_secret_key: catalogs.SecretKeyReader | None = None,
     preloaded: given.Loaded | catalogs.Catalog | catalogs.CatalogError | None = None,
     jobs: embed_job.JobApi | None = None,
+    etcd: etcd_clients.EtcdClients | None = None,
 ) -> Outcome:
     """Place one CacheShard and publish it; never raises for user input or etcd trouble.
 
     ``preloaded`` is the catalog (or its error) the catalog timer just read, so it is not read twice
-    (a bare :class:`Catalog` is read again when ``spec.catalog.embeddings`` gives vectors).
+    (a bare :class:`Catalog` is read again when ``spec.catalog.embeddings`` gives vectors). ``etcd``
+    is the process's shared stores (:mod:`etcd_clients`); without it a store is opened for this call.
     """
     started = time.perf_counter()
     try:
@@ -338,9 +349,8 @@ async def reconcile(
     k = int(spec["clusters"])
     change: updates.Update | None = None
 
-    store = access.store(timeout=settings.etcd_timeout_seconds)
     try:
-        async with store:
+        async with etcd_clients.session(access, timeout=settings.etcd_timeout_seconds, clients=etcd) as store:
             current = await store.current_generation(namespace, name)
             previous = await store.read_generation(namespace, name, current) if current else None
             try:
@@ -389,9 +399,12 @@ async def reconcile(
                 published = current  # nothing changed: an idempotent resume publishes nothing
             else:
                 moved = placement.moved_replicas(prior, assignment)
+                written = store.bytes_written
                 await store.put_catalog(namespace, name, cat)
                 published = await store.publish(namespace, name, new, expected=current)
                 await store.prune_catalogs(namespace, name, {cat.version, previous.catalog if previous else ""})
+                metrics.PLACEMENT_BYTES_WRITTEN.labels(metrics.shard_label(str(namespace), name)).set(
+                    store.bytes_written - written)
                 if change is not None:
                     state.last_change = change.diff.summary() + (" reclustered" if change.reclustered else "")
                     state.last_change_moved = change.moved_unchanged

@@ -60,11 +60,17 @@ class Settings:
                                       "(SmolLM2-135M: 30 layers·3 kv heads·64·2·bf16)")
     pod_sync_seconds: float = setting(2.0, "how often each CacheShard compares its ready pods with the published "
                                       "placement")
-    warm_check_seconds: float = setting(2.0, "how often each CacheShard reads its pods' warm reports from etcd "
-                                        "(the Warm condition)")
+    warm_check_seconds: float = setting(
+        0.5, "how often each CacheShard's Warm condition is brought up to date with what its warm daemon decided "
+        "(the daemon watches the pods' warm reports in etcd; this tick reads nothing from etcd)")
     catalog_check_seconds: float = setting(
         5.0, "tick of the catalog timer; a CacheShard re-reads its catalog source on the first tick after its own "
         "spec.catalog.refreshSeconds has passed, and re-places only when the catalog changed")
+    etcd_quota_bytes: int = setting(
+        0, "etcd's --quota-backend-bytes, exported as kvshard_operator_etcd_quota_bytes so the KvshardEtcdNearQuota "
+        "alert can compare etcd's DB size with it (the chart sets it from its computed quota); 0: unknown")
+    etcd_db_check_seconds: float = setting(30.0, "how often each CacheShard's warm daemon reads etcd's DB size "
+                                           "(kvshard_operator_etcd_db_bytes)")
     etcd_timeout_seconds: float = setting(5.0, "deadline of each etcd call; when it passes the shard is Degraded "
                                           "and retried with backoff")
     retry_backoff_seconds: float = setting(2.0, "first retry delay after a transient error (etcd down); doubles up "

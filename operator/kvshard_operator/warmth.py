@@ -13,20 +13,27 @@ that replica is warm. So, for the current generation:
   still warming (``Warming``) or nothing is placed yet (``NotPlaced``), and ``Unknown`` when etcd
   cannot be read (``EtcdUnavailable``).
 
-The handler applies :func:`apply` as a kopf patch *function*: kopf turns it into a JSON patch of
-exactly these fields against the freshest object, guarded by its resourceVersion, so this timer
-never overwrites conditions a concurrent reconcile just wrote.
+The warm reports are *watched*, not polled: a per-CacheShard daemon keeps :func:`follow` running
+on the process's shared etcd connection, which re-decides the warmth on every change of the reports
+(and re-reads the assignment only when the generation moved) into a :class:`WarmWatch` in the
+shard's memo. A short timer writes that decision to status: the handler applies :func:`apply` as a
+kopf patch *function*, which kopf turns into a JSON patch of exactly these fields against the
+freshest object, guarded by its resourceVersion, so it never overwrites conditions a concurrent
+reconcile just wrote. So ``Warm`` follows a report within about a timer tick, without reading etcd
+per tick.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from typing import Any
 
 from kvshard import etcd_store
 from kvshard import placement_schema as ps
 from kvshard_operator import conditions as cond
+from kvshard_operator import etcd_clients
 from kvshard_operator.reconcile import SecretReader, etcd_access
 from kvshard_operator.settings import Settings
 
@@ -77,16 +84,78 @@ def summarize(placement: ps.Placement | None, reports: Mapping[str, ps.WarmRepor
 
 
 async def observe(*, namespace: str, name: str, spec: Mapping[str, Any], settings: Settings,
-                  read_secret: SecretReader | None) -> Warmth:
+                  read_secret: SecretReader | None, etcd: etcd_clients.EtcdClients | None = None) -> Warmth:
     """Read the current assignment and the warm reports from etcd; never raises for etcd trouble."""
     try:
         access = await etcd_access(spec, namespace, read_secret)
-        async with access.store(timeout=settings.etcd_timeout_seconds) as store:
+        async with etcd_clients.session(access, timeout=settings.etcd_timeout_seconds, clients=etcd) as store:
             placement = await store.read_assignment(namespace, name)
             reports = await store.read_warm(namespace, name) if placement is not None else {}
     except (ValueError, etcd_store.EtcdStoreError) as exc:  # PlacementFormatError is a ValueError
         return Warmth(cond.UNKNOWN, ETCD_UNAVAILABLE, f"cannot read warm reports: {exc}")
     return summarize(placement, reports)
+
+
+@dataclasses.dataclass
+class WarmWatch:
+    """What the warm daemon last decided for one CacheShard (in its memo), for the timer to write."""
+
+    warmth: Warmth | None = None
+    generation: int | None = None
+    """The placement generation ``warmth`` describes (the timer writes it only while it is current)."""
+    placement: ps.Placement | None = None
+    reports: dict[str, ps.WarmReport] | None = None
+    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    """Set by a watch event, or by the timer when the published generation moved on."""
+
+    def decide(self, warmth: Warmth, generation: int | None) -> None:
+        self.warmth, self.generation = warmth, generation
+
+
+async def _collect(reports: AsyncIterator[dict[str, ps.WarmReport]], watch: WarmWatch) -> None:
+    try:
+        async for found in reports:
+            watch.reports = found
+            watch.changed.set()
+    finally:
+        watch.changed.set()  # wake :func:`follow`, which raises this task's error
+
+
+async def follow(store: etcd_store.EtcdStore, namespace: str, name: str, watch: WarmWatch,
+                 published: Callable[[], int | None]) -> None:
+    """Decide the warmth into ``watch`` after every change of the warm reports (``store.watch_warm``)
+    and whenever :attr:`WarmWatch.changed` is set. The assignment is read again only when the
+    generation moved past the one held: ``published()`` (the CacheShard's ``status.placementGeneration``)
+    or a pod's report names a newer one (the rebalancer and the learned placement publish too).
+    Returns never; raises :class:`~kvshard.etcd_store.EtcdStoreError` when the watch fails or ends."""
+    reader = asyncio.create_task(_collect(store.watch_warm(namespace, name), watch))
+    try:
+        while True:
+            await watch.changed.wait()
+            watch.changed.clear()
+            if reader.done():
+                reader.result()
+                raise etcd_store.EtcdUnavailableError("the warm report watch ended")
+            if watch.reports is None:
+                continue
+            newest = max([published() or 0, *(r.generation for r in watch.reports.values())])
+            if watch.placement is None or watch.placement.generation < newest:
+                watch.placement = await store.read_assignment(namespace, name)
+            watch.decide(summarize(watch.placement, watch.reports),
+                         watch.placement.generation if watch.placement is not None else None)
+    finally:
+        reader.cancel()
+
+
+def due(watch: WarmWatch, published: int) -> Warmth | None:
+    """The warmth the timer may write for ``status.placementGeneration == published``: None while the
+    daemon's decision describes an older generation (then the daemon is asked to look again)."""
+    if watch.warmth is None:
+        return None
+    if watch.generation is not None and watch.generation < published:
+        watch.changed.set()
+        return None
+    return watch.warmth
 
 
 def current(status: Mapping[str, Any], warmth: Warmth) -> bool:

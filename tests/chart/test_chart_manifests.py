@@ -64,7 +64,9 @@ def test_names_and_labels_fit_63_characters_for_the_longest_release_name(helm_bi
 #   cacheshards/status patch                conditions, placementGeneration, counts
 #   pods list, watch                        the pod index (ready pods selected by spec.podSelector)
 #   configmaps get                          spec.catalog.configMap
-#   secrets get                             spec.etcd.secretRef (etcd username/password), spec.etcd.tls.secretRef
+#   secrets get, list, watch                the operator's Secret index of spec.etcd.secretRef (username/password)
+#                                           and spec.etcd.tls.secretRef (CA, client certificate); get for the
+#                                           catalog URL token and an etcd Secret not yet indexed
 #   events create                           kopf posts handler warnings/errors as Events
 # ----------------------------------------------------------------------------------------------
 Rule = tuple[str, str, frozenset[str]]
@@ -73,7 +75,7 @@ NAMESPACED_RULES: set[Rule] = {
     ("kvshard.io", "cacheshards/status", frozenset({"patch"})),
     ("", "pods", frozenset({"list", "watch"})),
     ("", "configmaps", frozenset({"get"})),
-    ("", "secrets", frozenset({"get"})),
+    ("", "secrets", frozenset({"get", "list", "watch"})),
     ("", "events", frozenset({"create"})),
 }
 CRD_DISCOVERY: Rule = ("apiextensions.k8s.io", "customresourcedefinitions", frozenset({"list", "watch"}))

@@ -36,6 +36,8 @@ ETCD_CERTIFICATES = {
     "Issuer/kvs-kvshard-etcd-selfsigned", "Certificate/kvs-kvshard-etcd-ca", "Issuer/kvs-kvshard-etcd-ca",
     "Certificate/kvs-kvshard-etcd-server", "Certificate/kvs-kvshard-etcd-peer", "Certificate/kvs-kvshard-etcd-client",
 }
+# The bundled etcd's defragmentation (issue 41): the CronJob and its pods' NetworkPolicy.
+ETCD_DEFRAG = {"CronJob/kvs-kvshard-etcd-defrag", "NetworkPolicy/kvs-kvshard-etcd-defrag"}
 EXPECTED = {
     "default": {
         "ClusterRole/kvs-kvshard-operator", "ClusterRoleBinding/kvs-kvshard-operator",
@@ -47,9 +49,9 @@ EXPECTED = {
         "ServiceAccount/kvs-kvshard-engine", "ServiceAccount/kvs-kvshard-operator",
         "ServiceMonitor/kvs-kvshard-engine", "ServiceMonitor/kvs-kvshard-operator",
         "StatefulSet/kvs-kvshard-engine", "StatefulSet/kvs-kvshard-etcd",
-    } | ROUTER | ETCD_CERTIFICATES,
+    } | ROUTER | ETCD_CERTIFICATES | ETCD_DEFRAG,
 }
-EXPECTED["external-etcd"] = (EXPECTED["default"] - ETCD_CERTIFICATES - {
+EXPECTED["external-etcd"] = (EXPECTED["default"] - ETCD_CERTIFICATES - ETCD_DEFRAG - {
     "NetworkPolicy/kvs-kvshard-etcd", "Secret/kvs-kvshard-peer-token", "Service/kvs-kvshard-etcd",
     "Service/kvs-kvshard-etcd-peers", "StatefulSet/kvs-kvshard-etcd",
 }) | {"Role/kvs-kvshard-operator", "RoleBinding/kvs-kvshard-operator", "CacheShard/kvs-kvshard-movielens"}
@@ -63,7 +65,7 @@ EXPECTED["monitoring-off"] = (EXPECTED["default"] - {
     "ConfigMap/kvs-kvshard-dashboard", "PrometheusRule/kvs-kvshard", "ServiceMonitor/kvs-kvshard-engine",
     "ServiceMonitor/kvs-kvshard-operator", "ServiceMonitor/kvs-kvshard-router", "NetworkPolicy/kvs-kvshard-engine",
     "NetworkPolicy/kvs-kvshard-etcd", "NetworkPolicy/kvs-kvshard-operator", "NetworkPolicy/kvs-kvshard-router",
-    "PodDisruptionBudget/kvs-kvshard-engine",
+    "PodDisruptionBudget/kvs-kvshard-engine", "NetworkPolicy/kvs-kvshard-etcd-defrag",
 }) | {"PodDisruptionBudget/kvs-kvshard-etcd"}  # three etcd members: drained one at a time
 
 EXPECTED["kind"] = EXPECTED["default"] - {

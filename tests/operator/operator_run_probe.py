@@ -115,7 +115,8 @@ async def timers_group(handlers: Any) -> dict[str, Any]:
     from kvshard_operator.reconcile import ShardState
 
     registry = kopf.get_default_registry()
-    timers = {h.id: [h.interval, h.initial_delay] for h in registry._spawning.get_all_handlers()}
+    timers = {h.id: [h.interval, h.initial_delay] for h in registry._spawning.get_all_handlers()
+              if hasattr(h, "interval")}  # timers; the warm daemon has none
     rebalancer.PrometheusClient = FakePrometheus  # type: ignore[misc,assignment]
     outcome = await rebalancer.rebalance_shard(namespace="probe", name="shard", spec=SPEC, status={},
                                                generation=1, settings=handlers.SETTINGS, state=ShardState(),

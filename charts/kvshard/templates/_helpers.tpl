@@ -318,11 +318,16 @@ the ClusterRole (every namespace) or by one Role per watched namespace.
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get]
-# spec.etcd.secretRef (etcd username and password), spec.etcd.tls.secretRef (etcd's CA and the
-# client certificate) and spec.catalog.url.secretRef (the catalog URL's bearer token), read by name.
+# spec.etcd.secretRef (etcd username and password) and spec.etcd.tls.secretRef (etcd's CA and the
+# client certificate): list and watch feed the operator's Secret index, so its timers read them from
+# memory instead of calling the API on every tick, and a renewed certificate arrives with the watch.
+# The index keeps only Secrets holding `ca.crt` or `username`; list/watch adds no reach beyond `get`,
+# which already reads any Secret of these namespaces by name (scope them with watchNamespaces).
+# get: spec.catalog.url.secretRef (the catalog URL's bearer token), and an etcd Secret the watch has
+# not delivered yet.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get]
+  verbs: [get, list, watch]
 # kopf posts handler warnings and errors as Events on the CacheShard.
 - apiGroups: [""]
   resources: [events]
@@ -376,4 +381,29 @@ Python is in both images (no curl needed); a failure (sidecar already gone) must
 {{- $url := printf "http://127.0.0.1:%d/v1/drain?timeout=%d" (int $e.sidecar.port) (int $e.sidecar.drainTimeoutSeconds) -}}
 {{- $script := printf "import urllib.request\ntry:\n    urllib.request.urlopen(%q, timeout=%d)\nexcept Exception as e:\n    print('drain:', e)" $url (add (int $e.sidecar.drainTimeoutSeconds) 5) -}}
 {{- list "python3" "-c" $script | toJson -}}
+{{- end }}
+
+{{/*
+etcd's backend quota (--quota-backend-bytes) from the catalog size (etcd.sizing), in bytes:
+  live    = items × (mapBytesPerItem × mapsKept + catalogBytesPerItem × catalogVersionsKept)
+  quota   = max(2 GiB, ceil_GiB(live × historyFactor + fixedBytes))
+mapBytesPerItem: ~14 B per item→cluster entry of a generation's map (measured: 12.2 MiB per 1 M items);
+mapsKept: 2 generations kept + 1 being published; catalogBytesPerItem: ~80 B per item of a published
+catalog version (kvshard/catalog_schema.py: ~80 MB per 1 M items of ~60-character texts), 2 versions
+kept; historyFactor: old revisions etcd keeps until auto-compaction (etcd.compaction) and until
+defragmentation returns their pages; fixedBytes: assignments, warm, heat, co-request and blend keys.
+Above etcd's recommended maximum of 8 GiB the chart refuses to render (use an external etcd sized for it).
+*/}}
+{{- define "kvshard.etcdQuotaBytes" -}}
+{{- $s := .Values.etcd.sizing -}}
+{{- $gib := 1073741824 -}}
+{{- $perItem := add (mul (int64 $s.mapBytesPerItem) (int64 $s.mapsKept)) (mul (int64 $s.catalogBytesPerItem) (int64 $s.catalogVersionsKept)) -}}
+{{- $live := mul (int64 $s.catalogItems) $perItem -}}
+{{- $total := add (mul $live (int64 $s.historyFactor)) (int64 $s.fixedBytes) -}}
+{{- $rounded := mul (div (add $total (sub $gib 1)) $gib) $gib -}}
+{{- $quota := max (mul 2 $gib) $rounded -}}
+{{- if gt (int64 $quota) (mul 8 $gib) -}}
+{{- fail (printf "etcd.sizing: %d catalog items need an etcd quota of %d bytes (%d GiB), above etcd's recommended maximum of 8 GiB; use etcd.external with an etcd sized for it, or lower etcd.sizing.historyFactor / etcd.compaction.retention" (int64 $s.catalogItems) (int64 $quota) (div $quota $gib)) -}}
+{{- end -}}
+{{- $quota -}}
 {{- end }}
