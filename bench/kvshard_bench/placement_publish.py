@@ -2,9 +2,10 @@
 generation and for the readers, with content-addressed item maps (schema 2) next to the old
 per-generation layout (schema 1).
 
-A real etcd is started with the chart's flags (``--auto-compaction-mode=periodic
---auto-compaction-retention=1h --quota-backend-bytes=2147483648``, charts/kvshard/templates/
-statefulset-etcd.yaml). ``--items`` synthetic items (ids ``item-00000000``…) are labelled with
+A real etcd is started with the chart's flags for this many items (:func:`chart_etcd_flags`:
+periodic compaction every 5 minutes and the quota ``kvshard.etcdQuotaBytes`` in
+charts/kvshard/templates/_helpers.tpl computes from ``etcd.sizing.catalogItems``).
+``--items`` synthetic items (ids ``item-00000000``…) are labelled with
 ``--clusters`` clusters (uniformly at random: the clustering itself is what plain ``bench
 placement`` measures; here only the map's size and shape matter) and the clusters placed on
 ``--pods`` pods by the operator's :func:`kvshard_operator.placement.assign_clusters`. Then:
@@ -25,13 +26,13 @@ After every publish a *sidecar* reader reads ``current`` as the sidecar follows 
 the sidecar's peer lookups need every item's cluster — only when its digest changed), and an
 *own-clusters* reader reads only the items of one pod's clusters. Bytes are the stores' counters
 (``len(key) + len(value)`` of every put or key-value read). ``etcd_db_bytes_after`` is etcd's
-``dbSize`` at the end (nothing is compacted within the run: retention is an hour).
+``dbSize`` at the end (a run shorter than the 5-minute retention compacts nothing).
 
 The ``per-generation`` row is computed, not published: what a schema-1 generation of the same
 placement writes (assignment + every item chunk + ``current``) and what a reader reads (the same,
 less ``current``) — every generation, rebalance or not; its ``etcd_db_bytes_after`` is left empty
 and ``etcd_db_bytes_estimate`` is the sum of what its generations would write (a lower bound of the
-DB's growth within the retention hour).
+DB's growth within the retention window).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -50,9 +52,21 @@ from kvshard import placement_schema as ps
 from kvshard_local.testing_servers import EtcdServer
 
 NAMESPACE, NAME = "bench", "publish"
-QUOTA_BYTES = 2147483648
-CHART_ETCD_FLAGS = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1h",
-                    f"--quota-backend-bytes={QUOTA_BYTES}")
+GIB = 1 << 30
+
+
+def chart_etcd_quota(items: int, *, history: int = 2) -> int:
+    """The quota the chart gives its etcd for ``items`` catalog items with its default sizing values —
+    the arithmetic of ``kvshard.etcdQuotaBytes`` (tests/chart checks the two agree): 14 B per item-map
+    entry × 3 maps and 80 B per catalog entry × 2 versions, times the compaction history, plus 256 MiB,
+    rounded up to GiB, at least 2 GiB."""
+    live = items * (14 * 3 + 80 * 2)
+    return max(2 * GIB, math.ceil((live * history + 256 * 2**20) / GIB) * GIB)
+
+
+def chart_etcd_flags(items: int) -> tuple[str, ...]:
+    return ("--auto-compaction-mode=periodic", "--auto-compaction-retention=5m",
+            f"--quota-backend-bytes={chart_etcd_quota(items)}")
 
 
 def synthetic_placement(items: int, pods: int, clusters: int, seed: int) -> ps.Placement:
@@ -145,7 +159,8 @@ async def measure(server: EtcdServer, args: argparse.Namespace) -> list[dict[str
     old_write, old_read = per_generation_bytes(placement)
     generations = 1 + args.rebalances + args.catalog_changes
     common = {"items": args.items, "pods": args.pods, "clusters": len(placement.assignment),
-              "rebalances": args.rebalances, "catalog_changes": args.catalog_changes, "quota_bytes": QUOTA_BYTES}
+              "rebalances": args.rebalances, "catalog_changes": args.catalog_changes,
+              "quota_bytes": chart_etcd_quota(args.items)}
     return [
         {**common, "layout": "per-generation",
          "bytes_first_generation": old_write,
@@ -180,7 +195,7 @@ def run_publish(args: argparse.Namespace, server: EtcdServer | None = None) -> l
     """Run the publish benchmark (on ``server``, else a fresh etcd with the chart's flags)."""
     if server is not None:
         return asyncio.run(measure(server, args))
-    with EtcdServer(tls=False, extra_args=CHART_ETCD_FLAGS, start_timeout=60) as fresh:
+    with EtcdServer(tls=False, extra_args=chart_etcd_flags(args.items), start_timeout=60) as fresh:
         return asyncio.run(measure(fresh, args))
 
 
