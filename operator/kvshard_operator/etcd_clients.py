@@ -71,6 +71,9 @@ class EtcdClients:
         self._entries: dict[tuple[Hashable, float], _Entry] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._users_of: dict[etcd_store.EtcdStore, int] = {}
+        """Callers inside :meth:`use` per store, so a dropped store is closed only after the last one."""
+        self._dropped: set[etcd_store.EtcdStore] = set()
 
     def __len__(self) -> int:
         return sum(1 for e in self._entries.values() if e.store is not None)
@@ -80,6 +83,7 @@ class EtcdClients:
         if self._loop is not loop:  # stores of a finished loop cannot be closed from this one
             self._entries.clear()
             self._closing = set()
+            self._users_of, self._dropped = {}, set()
             self._loop = loop
 
     async def _open(self, entry: _Entry, access: Access, timeout: float) -> etcd_store.EtcdStore:
@@ -107,14 +111,23 @@ class EtcdClients:
         entry.retry_at = time.monotonic() + delay
 
     def _drop(self, entry: _Entry, store: etcd_store.EtcdStore) -> None:
+        """Stop handing ``store`` out; it is closed once its last user is done with it. Closing it now
+        would cancel the calls other handlers have in flight on it (gRPC cancels a closed channel's
+        calls), and kopf stops a timer whose handler was cancelled for good."""
         if entry.store is store:
             entry.store = None
             self._failed(entry)
-        # closed in the background: the caller reports its error now, whatever closing a broken
-        # channel (with other callers' watches on it) takes
-        task = asyncio.get_running_loop().create_task(_close_quietly(store))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._dropped.add(store)
+
+    def _release(self, store: etcd_store.EtcdStore) -> None:
+        users = self._users_of.pop(store, 1) - 1
+        if users:
+            self._users_of[store] = users
+        elif store in self._dropped:
+            self._dropped.discard(store)
+            task = asyncio.get_running_loop().create_task(_close_quietly(store))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     @contextlib.asynccontextmanager
     async def use(self, access: Access, *, timeout: float) -> AsyncIterator[etcd_store.EtcdStore]:
@@ -129,6 +142,7 @@ class EtcdClients:
         entry.used_at = time.monotonic()
         try:
             store = await self._open(entry, access, timeout)
+            self._users_of[store] = self._users_of.get(store, 0) + 1
             try:
                 yield store
             except _DROPPING:
@@ -136,6 +150,8 @@ class EtcdClients:
                 raise
             else:
                 entry.failures = 0
+            finally:
+                self._release(store)
         finally:
             entry.users -= 1
             entry.used_at = time.monotonic()
@@ -152,9 +168,9 @@ class EtcdClients:
     async def close(self) -> None:
         """Close every store (operator cleanup); the holder may be used again afterwards."""
         entries, self._entries = list(self._entries.values()), {}
-        for entry in entries:
-            if entry.store is not None:
-                await _close_quietly(entry.store)
+        dropped, self._dropped = self._dropped, set()
+        for store in [entry.store for entry in entries if entry.store is not None] + list(dropped):
+            await _close_quietly(store)
         if self._closing:
             await asyncio.wait(list(self._closing), timeout=5)
 

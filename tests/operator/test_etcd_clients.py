@@ -91,3 +91,34 @@ def _report() -> object:
     from kvshard import placement_schema as ps
 
     return ps.WarmReport(1, (0,), "http://p:8100", 0)
+
+
+def test_a_dropped_store_stays_open_until_its_last_caller_is_done(etcd: EtcdServer) -> None:
+    """One handler's outage must not cancel another's call in flight on the shared channel: gRPC cancels
+    a closed channel's calls, and kopf stops a timer whose handler was cancelled for good (seen: the
+    pod-following timer ended at an etcd outage and the shard never turned Degraded)."""
+    async def run() -> None:
+        clients = EtcdClients(backoff_seconds=0.1, backoff_max=0.1)
+        access = _access(etcd)
+        inside, release = asyncio.Event(), asyncio.Event()
+
+        async def long_caller() -> bool:
+            async with clients.use(access, timeout=2) as store:
+                inside.set()
+                await release.wait()
+                return store._connected
+
+        holder = asyncio.create_task(long_caller())
+        await inside.wait()
+        with pytest.raises(etcd_store.EtcdUnavailableError):
+            async with clients.use(access, timeout=2) as store:
+                raise etcd_store.EtcdUnavailableError("an outage seen by another handler")
+        assert len(clients) == 0  # no longer handed out
+        await asyncio.sleep(0.2)
+        release.set()
+        assert await holder, "the dropped store was closed under a caller still using it"
+        await asyncio.sleep(0.2)
+        assert not store._connected  # closed once its last caller left
+        await clients.close()
+
+    asyncio.run(run())
