@@ -45,7 +45,7 @@ def items_key(namespace: str, name: str, generation: int, chunk: int) -> str:
 
 
 def item_map_prefix(namespace: str, name: str) -> str:
-    """``itemmap/``: item → cluster maps, stored once per content (:func:`kvshard.placement_schema.encode_item_map`)
+    """``itemmap/``: item → cluster maps, stored once per content (:func:`kvshard.item_map_schema.encode_item_map`)
     under the digest of that content; generations name theirs, and a map goes when no kept generation does."""
     return shard_prefix(namespace, name) + "itemmap/"
 

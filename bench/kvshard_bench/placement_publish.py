@@ -18,7 +18,7 @@ placement`` measures; here only the map's size and shape matter) and the cluster
   published as the operator publishes one: a new ``item_clusters`` dict, ``expected`` the generation
   the writer published last (whose map it holds), so the writer stores the new map as a *delta* on
   that one (:meth:`kvshard.etcd_store.placement.PlacementStore._store_item_map`) — and every
-  :data:`~kvshard.placement_schema.MAX_DELTA_DEPTH` + 1-th change whole, bounding the chain.
+  :data:`~kvshard.item_maps.MAX_DELTA_DEPTH` + 1-th change whole, bounding the chain.
   ``bytes_per_catalog_change_full_map`` is what each would write as a whole map (computed: the
   encoded map's keys and values), the cost before deltas.
 
@@ -48,6 +48,7 @@ import numpy as np
 
 import kvshard_operator.placement as op_placement
 from kvshard import etcd_keys
+from kvshard import item_map_schema as item_maps
 from kvshard import placement_schema as ps
 from kvshard_local.testing_servers import EtcdServer
 
@@ -112,7 +113,7 @@ def per_generation_bytes(placement: ps.Placement) -> tuple[int, int]:
 
 def full_map_bytes(placement: ps.Placement) -> int:
     """Bytes (keys and values) the item map of ``placement`` takes stored whole."""
-    encoded = ps.encode_item_map(placement.item_clusters)
+    encoded = item_maps.encode_item_map(placement.item_clusters)
     d = encoded.digest
     return (len(etcd_keys.item_map_manifest_key(NAMESPACE, NAME, d)) + encoded.size
             + sum(len(etcd_keys.item_map_chunk_key(NAMESPACE, NAME, d, i)) for i in range(len(encoded.chunks))))

@@ -13,7 +13,7 @@ transaction; a bigger generation is claimed and written in steps
 kept in memory, so a generation that names the same map again reads no chunk.
 
 A catalog change that moves a few items is stored as a *delta* on the map the current generation
-names (its changes only, under the new map's digest; at most :data:`ps.MAX_DELTA_DEPTH` deep): a
+names (its changes only, under the new map's digest; at most :data:`item_maps.MAX_DELTA_DEPTH` deep): a
 reader that holds the base reads only the changes, one that does not reads the chain. Pruning keeps
 every map a kept generation's chain needs.
 """
@@ -28,6 +28,7 @@ from typing import Any
 import etcd3aio
 import grpc
 
+from kvshard import item_map_schema as item_maps
 from kvshard import placement_schema as ps
 from kvshard.etcd_keys import (
     assignment_key,
@@ -58,7 +59,7 @@ class _CachedMap:
     read so far (a partial reader's), and the whole mapping once read whole (handed out again, same
     object). A delta map not yet read whole also holds its base's entry and its decoded changes."""
 
-    manifest: ps.ItemMapManifest
+    manifest: item_maps.ItemMapManifest
     chunks: dict[int, dict[int, list[str]]]
     whole: Mapping[str, int] | None = None
     base: _CachedMap | None = None
@@ -150,24 +151,24 @@ class PlacementStore(EtcdClient):
         """Store the item map of ``item_clusters`` unless its manifest is there already (chunks
         first, the manifest last); return its digest and, when it was stored as a delta, its base's
         ("" otherwise). The digest of a mapping object read or published before is remembered
-        (:func:`ps.known_digest`), so a rebalance encodes (and diffs) nothing.
+        (:func:`item_maps.known_digest`), so a rebalance encodes (and diffs) nothing.
 
-        A new map is stored as a delta (:func:`ps.encode_item_map_delta`) on the map generation
+        A new map is stored as a delta (:func:`item_maps.encode_item_map_delta`) on the map generation
         ``expected`` names when this store holds that map whole (it read or published it last), fewer
-        than :data:`ps.MAX_DELTA_FRACTION` of the items changed and the chain stays within
-        :data:`ps.MAX_DELTA_DEPTH`; else whole.
+        than :data:`item_maps.MAX_DELTA_FRACTION` of the items changed and the chain stays within
+        :data:`item_maps.MAX_DELTA_DEPTH`; else whole.
         """
-        digest = ps.known_digest(item_clusters)
+        digest = item_maps.known_digest(item_clusters)
         encoded = None
         if digest is None:
-            encoded = ps.encode_item_map(item_clusters)
+            encoded = item_maps.encode_item_map(item_clusters)
             digest = encoded.digest
         manifest_key = item_map_manifest_key(namespace, name, digest)
         got = await self._call("read", self._kv.get(manifest_key, keys_only=True, timeout=self.timeout))
         if got.kvs:
             return digest, ""
         if encoded is None:
-            encoded = ps.encode_item_map(item_clusters)
+            encoded = item_maps.encode_item_map(item_clusters)
         stored = await self._as_delta(namespace, name, encoded, item_clusters, expected) or encoded
         base = stored.manifest.base
         for i, chunk in enumerate(stored.chunks):
@@ -183,8 +184,8 @@ class PlacementStore(EtcdClient):
         self._item_maps[(namespace, name)] = _CachedMap(stored.manifest, {}, item_clusters)
         return digest, base
 
-    async def _as_delta(self, namespace: str, name: str, encoded: ps.EncodedItemMap,
-                        item_clusters: Mapping[str, int], expected: int) -> ps.EncodedItemMap | None:
+    async def _as_delta(self, namespace: str, name: str, encoded: item_maps.EncodedItemMap,
+                        item_clusters: Mapping[str, int], expected: int) -> item_maps.EncodedItemMap | None:
         """``encoded`` as a delta on the map generation ``expected`` names, None when it should be
         stored whole (see :meth:`_store_item_map`)."""
         cached = self._item_maps.get((namespace, name))
@@ -192,7 +193,7 @@ class PlacementStore(EtcdClient):
             return None
         if cached.manifest.digest == encoded.digest:  # the map itself went missing: store it whole again
             return None
-        if cached.manifest.depth + 1 > ps.MAX_DELTA_DEPTH:
+        if cached.manifest.depth + 1 > item_maps.MAX_DELTA_DEPTH:
             return None
         got = await self._call("read", self._kv.get(assignment_key(namespace, name, expected), timeout=self.timeout))
         if not got.kvs:
@@ -203,11 +204,11 @@ class PlacementStore(EtcdClient):
             return None
         if header.item_map != cached.manifest.digest:
             return None
-        limit = int(len(item_clusters) * ps.MAX_DELTA_FRACTION)
-        changes = ps.item_map_changes(cached.whole, item_clusters, limit)
+        limit = int(len(item_clusters) * item_maps.MAX_DELTA_FRACTION)
+        changes = item_maps.item_map_changes(cached.whole, item_clusters, limit)
         if changes is None:
             return None
-        return ps.encode_item_map_delta(encoded, cached.manifest, changes)
+        return item_maps.encode_item_map_delta(encoded, cached.manifest, changes)
 
     async def _publish_in_steps(self, kv: Any, writer_key: str, compare: Any, writes: list[Any], swap: Any,
                                 *also: Any) -> Any:
@@ -360,20 +361,20 @@ class PlacementStore(EtcdClient):
         got = await self._range_at("read", item_map_manifest_key(namespace, name, digest), revision, prefix=False)
         if not got.kvs:
             raise ps.PlacementFormatError(f"{namespace}/{name} has no item map {digest}")
-        manifest = ps.decode_item_map_manifest(bytes(got.kvs[0].value))
+        manifest = item_maps.decode_item_map_manifest(bytes(got.kvs[0].value))
         if manifest.digest != digest:
             raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} names {manifest.digest}")
         entry = _CachedMap(manifest, {})
         if not manifest.is_delta:
             return entry
-        if manifest.depth > ps.MAX_DELTA_DEPTH:
+        if manifest.depth > item_maps.MAX_DELTA_DEPTH:
             raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} is {manifest.depth} deltas deep")
         changes: dict[str, int | None] = {}
         for n in range(manifest.chunks):
             got = await self._range_at("read", item_map_chunk_key(namespace, name, digest, n), revision, prefix=False)
             if not got.kvs:
                 raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} lacks chunk {n}")
-            changes.update(ps.decode_item_map_delta_chunk(bytes(got.kvs[0].value)))
+            changes.update(item_maps.decode_item_map_delta_chunk(bytes(got.kvs[0].value)))
         if len(changes) != manifest.changes:
             raise ps.PlacementFormatError(f"item map {digest} holds {len(changes)} of {manifest.changes} changes")
         entry.changes = changes
@@ -395,15 +396,15 @@ class PlacementStore(EtcdClient):
             assert entry.base is not None and entry.changes is not None
             based = await self._items_of(namespace, name, entry.base, revision, clusters)
             if clusters is not None:  # the base's items of those clusters: a new dict, ours to change
-                return ps.apply_item_map_changes(
+                return item_maps.apply_item_map_changes(
                     based if isinstance(based, dict) and based is not entry.base.whole else dict(based),
                     entry.changes, clusters)
-            whole = ps.apply_item_map_changes(dict(based), entry.changes)
+            whole = item_maps.apply_item_map_changes(dict(based), entry.changes)
             if len(whole) != manifest.items:
                 raise ps.PlacementFormatError(f"item map {digest} holds {len(whole)} of {manifest.items} items")
             # Whole now: the chain is no longer needed.
             entry.whole, entry.base, entry.changes = whole, None, None
-            ps.remember_digest(whole, digest)
+            item_maps.remember_digest(whole, digest)
             return whole
         needed = range(manifest.chunks) if clusters is None else manifest.chunks_for(clusters)
         for n in needed:
@@ -412,17 +413,17 @@ class PlacementStore(EtcdClient):
             got = await self._range_at("read", item_map_chunk_key(namespace, name, digest, n), revision, prefix=False)
             if not got.kvs:
                 raise ps.PlacementFormatError(f"item map {digest} of {namespace}/{name} lacks chunk {n}")
-            entry.chunks[n] = ps.decode_item_map_chunk(bytes(got.kvs[0].value))
+            entry.chunks[n] = item_maps.decode_item_map_chunk(bytes(got.kvs[0].value))
         if clusters is None:
-            whole = ps.item_clusters_of(entry.chunks[n] for n in needed)
+            whole = item_maps.item_clusters_of(entry.chunks[n] for n in needed)
             if len(whole) != manifest.items:
                 raise ps.PlacementFormatError(f"item map {digest} holds {len(whole)} of {manifest.items} items")
             entry.whole, entry.chunks = whole, {}
-            ps.remember_digest(whole, digest)
+            item_maps.remember_digest(whole, digest)
             return whole
         # A partial reader keeps only the chunks it needs now.
         entry.chunks = {n: entry.chunks[n] for n in needed}
-        return ps.item_clusters_of((entry.chunks[n] for n in needed), clusters)
+        return item_maps.item_clusters_of((entry.chunks[n] for n in needed), clusters)
 
     async def read_current(self, namespace: str, name: str, *, clusters: Collection[int] | None = None,
                            clusters_of: str | None = None) -> ps.Placement | None:

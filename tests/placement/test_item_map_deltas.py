@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvshard import etcd_keys, etcd_store
+from kvshard import item_map_schema as item_maps
 from kvshard import placement_schema as ps
 from kvshard_local.testing_servers import EtcdServer
 
@@ -72,9 +73,9 @@ def map_digests(keys: list[str]) -> set[str]:
     return {k.split("/itemmap/")[1].split("/")[0] for k in keys if "/itemmap/" in k}
 
 
-async def manifest(store: etcd_store.EtcdStore, shard: tuple[str, str], digest: str) -> ps.ItemMapManifest:
+async def manifest(store: etcd_store.EtcdStore, shard: tuple[str, str], digest: str) -> item_maps.ItemMapManifest:
     got = await store._call("read", store._kv.get(etcd_keys.item_map_manifest_key(*shard, digest), timeout=10))
-    return ps.decode_item_map_manifest(bytes(got.kvs[0].value))
+    return item_maps.decode_item_map_manifest(bytes(got.kvs[0].value))
 
 
 async def test_a_one_percent_catalog_change_writes_and_reads_only_the_changes(
@@ -91,9 +92,9 @@ async def test_a_one_percent_catalog_change_writes_and_reads_only_the_changes(
     before = store.bytes_written
     await store.publish(*shard, placement(2, changed, turn=1), expected=1)
     assert store.bytes_written - before < 0.05 * full
-    digest = ps.encode_item_map(changed).digest  # still the digest of the full content
+    digest = item_maps.encode_item_map(changed).digest  # still the digest of the full content
     stored = await manifest(store, shard, digest)
-    assert stored.base == ps.encode_item_map(items).digest and stored.depth == 1
+    assert stored.base == item_maps.encode_item_map(items).digest and stored.depth == 1
     before = reader.bytes_read
     second = await reader.read_current(*shard)
     assert second is not None and second.item_clusters == changed and second == placement(2, changed, turn=1)
@@ -137,13 +138,13 @@ async def test_a_chain_longer_than_the_bound_is_written_full(
     maps = [big_map(20_000)]
     await store.publish(*shard, placement(1, maps[0]), expected=0)
     depths = []
-    for g in range(2, ps.MAX_DELTA_DEPTH + 4):
+    for g in range(2, item_maps.MAX_DELTA_DEPTH + 4):
         maps.append(relabelled(maps[-1], 0.01, salt=g))
         await store.publish(*shard, placement(g, maps[-1]), expected=g - 1)
-        depths.append((await manifest(store, shard, ps.encode_item_map(maps[-1]).digest)).depth)
-    assert depths[:ps.MAX_DELTA_DEPTH] == list(range(1, ps.MAX_DELTA_DEPTH + 1))
-    assert depths[ps.MAX_DELTA_DEPTH] == 0  # full again
-    assert depths[ps.MAX_DELTA_DEPTH + 1] == 1
+        depths.append((await manifest(store, shard, item_maps.encode_item_map(maps[-1]).digest)).depth)
+    assert depths[:item_maps.MAX_DELTA_DEPTH] == list(range(1, item_maps.MAX_DELTA_DEPTH + 1))
+    assert depths[item_maps.MAX_DELTA_DEPTH] == 0  # full again
+    assert depths[item_maps.MAX_DELTA_DEPTH + 1] == 1
     got = await fresh.read_current(*shard)
     assert got is not None and got.item_clusters == maps[-1]
 
@@ -153,7 +154,7 @@ async def test_a_big_change_is_written_full(store: etcd_store.EtcdStore, shard: 
     await store.publish(*shard, placement(1, items), expected=0)
     changed = relabelled(items, 0.5)
     await store.publish(*shard, placement(2, changed), expected=1)
-    assert not (await manifest(store, shard, ps.encode_item_map(changed).digest)).is_delta
+    assert not (await manifest(store, shard, item_maps.encode_item_map(changed).digest)).is_delta
 
 
 async def test_pruning_keeps_a_base_while_a_kept_delta_needs_it(
@@ -161,7 +162,7 @@ async def test_pruning_keeps_a_base_while_a_kept_delta_needs_it(
     a = big_map(20_000)
     b = relabelled(a, 0.01, salt=1)
     c = relabelled(b, 0.01, salt=2)
-    digest = {k: ps.encode_item_map(v).digest for k, v in {"a": a, "b": b, "c": c}.items()}
+    digest = {k: item_maps.encode_item_map(v).digest for k, v in {"a": a, "b": b, "c": c}.items()}
     await store.publish(*shard, placement(1, a), expected=0)
     await store.publish(*shard, placement(2, b), expected=1)  # b = a + delta
     await store.publish(*shard, placement(3, b, turn=1), expected=2)  # generation 1 (naming a) pruned
@@ -174,7 +175,7 @@ async def test_pruning_keeps_a_base_while_a_kept_delta_needs_it(
     d = relabelled(c, 0.5, salt=3)  # written full
     await store.publish(*shard, placement(6, d), expected=5)
     await store.publish(*shard, placement(7, d, turn=1), expected=6)
-    assert map_digests(await store.keys(*shard)) == {ps.encode_item_map(d).digest}  # nothing needs a, b, c
+    assert map_digests(await store.keys(*shard)) == {item_maps.encode_item_map(d).digest}  # nothing needs a, b, c
 
 
 async def test_a_rebalance_after_a_delta_writes_no_chunk(
@@ -194,32 +195,33 @@ async def test_a_rebalance_after_a_delta_writes_no_chunk(
 def test_item_map_changes_and_delta_encoding() -> None:
     base = big_map(5_000)
     new = relabelled(base, 0.1, add=7, remove=9)
-    changes = ps.item_map_changes(base, new)
+    changes = item_maps.item_map_changes(base, new)
     assert changes is not None
     assert sum(1 for c in changes.values() if c is None) == 9
-    assert ps.apply_item_map_changes(dict(base), changes) == new
-    assert ps.item_map_changes(base, new, limit=10) is None
-    assert ps.item_map_changes(base, base) == {}
-    full = ps.encode_item_map(new)
-    delta = ps.encode_item_map_delta(full, ps.encode_item_map(base).manifest, changes)
+    assert item_maps.apply_item_map_changes(dict(base), changes) == new
+    assert item_maps.item_map_changes(base, new, limit=10) is None
+    assert item_maps.item_map_changes(base, base) == {}
+    full = item_maps.encode_item_map(new)
+    delta = item_maps.encode_item_map_delta(full, item_maps.encode_item_map(base).manifest, changes)
     assert delta.digest == full.digest and delta.manifest.depth == 1
     decoded: dict[str, int | None] = {}
     for chunk in delta.chunks:
-        decoded.update(ps.decode_item_map_delta_chunk(chunk))
+        decoded.update(item_maps.decode_item_map_delta_chunk(chunk))
     assert decoded == changes
-    assert ps.decode_item_map_manifest(delta.manifest.encode()) == delta.manifest
+    assert item_maps.decode_item_map_manifest(delta.manifest.encode()) == delta.manifest
     with pytest.raises(ps.PlacementFormatError):
-        ps.decode_item_map_chunk(delta.chunks[0])  # a full-map reader refuses a delta's chunk
+        item_maps.decode_item_map_chunk(delta.chunks[0])  # a full-map reader refuses a delta's chunk
 
 
 def test_a_big_delta_is_split_into_chunks_under_the_limit() -> None:
     base = big_map(300_000)
     new = relabelled(base, 0.2, add=20_000, remove=50_000)
-    changes = ps.item_map_changes(base, new)
+    changes = item_maps.item_map_changes(base, new)
     assert changes is not None
-    delta = ps.encode_item_map_delta(ps.encode_item_map(new), ps.encode_item_map(base).manifest, changes)
+    delta = item_maps.encode_item_map_delta(item_maps.encode_item_map(new), item_maps.encode_item_map(base).manifest,
+                                            changes)
     assert len(delta.chunks) > 1 and all(len(c) <= ps.MAX_VALUE_BYTES for c in delta.chunks)
     decoded: dict[str, int | None] = {}
     for chunk in delta.chunks:
-        decoded.update(ps.decode_item_map_delta_chunk(chunk))
-    assert ps.apply_item_map_changes(dict(base), decoded) == new
+        decoded.update(item_maps.decode_item_map_delta_chunk(chunk))
+    assert item_maps.apply_item_map_changes(dict(base), decoded) == new

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvshard import etcd_keys, etcd_store
+from kvshard import item_map_schema as item_maps
 from kvshard import placement_schema as ps
 from kvshard_local.testing_servers import EtcdServer
 
@@ -189,10 +190,10 @@ def test_old_readers_refuse_schema_2_with_a_clear_message() -> None:
 
 def test_item_map_digest_is_remembered_per_mapping_object() -> None:
     items = big_map(30_000)
-    encoded = ps.encode_item_map(items)
-    assert ps.known_digest(items) == encoded.digest
-    assert ps.known_digest(dict(items)) is None
-    assert ps.item_map_digest(dict(items)) == encoded.digest  # content-addressed
+    encoded = item_maps.encode_item_map(items)
+    assert item_maps.known_digest(items) == encoded.digest
+    assert item_maps.known_digest(dict(items)) is None
+    assert item_maps.item_map_digest(dict(items)) == encoded.digest  # content-addressed
     assert all(len(c) <= ps.MAX_VALUE_BYTES for c in encoded.chunks)
     spans = encoded.manifest.clusters
     assert sum(s[2] for s in spans.values()) == len(items)
