@@ -35,11 +35,13 @@ VALUES_CASES: dict[str, Path | None] = {
     "monitoring-off": CI_VALUES / "monitoring-off-values.yaml",
     "embedding": CI_VALUES / "embedding-values.yaml",
     "late-scorer": CI_VALUES / "late-scorer-values.yaml",
+    "gateway-api": CI_VALUES / "gateway-api-values.yaml",
     "kind": REPO / "e2e" / "values-kind.yaml",
 }
 
 # API groups of custom resources kubernetes-validate has no schema for (checked otherwise).
-CUSTOM_GROUPS = frozenset({"monitoring.coreos.com", "keda.sh", "kvshard.io", "cert-manager.io"})
+CUSTOM_GROUPS = frozenset({"monitoring.coreos.com", "keda.sh", "kvshard.io", "cert-manager.io",
+                           "inference.networking.k8s.io"})
 
 Manifest = dict[str, Any]
 

@@ -128,3 +128,5 @@ def test_etcd_tls_and_network_policy_checks_pass_and_are_never_skipped(scan: Sca
         pods = {f.resource.split(".")[2] for f in scan.passed if f.case == case and f.check_id == "CKV2_K8S_6"}
         assert pods == {"kvs-kvshard-operator", "kvs-kvshard-router", "kvs-kvshard-engine", "kvs-kvshard-etcd"} - (
             {"kvs-kvshard-etcd"} if case == "external-etcd" else set()), case
+    pods = {f.resource.split(".")[2] for f in scan.passed if f.case == "gateway-api" and f.check_id == "CKV2_K8S_6"}
+    assert "kvs-kvshard-epp" in pods, "the endpoint picker's pods have their NetworkPolicy"

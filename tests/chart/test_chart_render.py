@@ -61,6 +61,12 @@ EXPECTED["autoscaling"] = EXPECTED["default"] | {
 EXPECTED["autoscaling-keda"] = EXPECTED["default"] | {"ScaledObject/kvs-kvshard-engine"}
 EXPECTED["embedding"] = EXPECTED["default"]  # the Jobs are the operator's, not the chart's
 EXPECTED["late-scorer"] = EXPECTED["default"]  # the same objects; the engine pod is configured otherwise
+# The Gateway API Inference Extension option (issue 43): the engine pods' InferencePool and its endpoint picker.
+EXPECTED["gateway-api"] = EXPECTED["default"] | {
+    "InferencePool/kvs-kvshard-engine", "Deployment/kvs-kvshard-epp", "Service/kvs-kvshard-epp",
+    "ServiceAccount/kvs-kvshard-epp", "NetworkPolicy/kvs-kvshard-epp", "PodDisruptionBudget/kvs-kvshard-epp",
+    "ServiceMonitor/kvs-kvshard-epp",
+}
 EXPECTED["monitoring-off"] = (EXPECTED["default"] - {
     "ConfigMap/kvs-kvshard-dashboard", "PrometheusRule/kvs-kvshard", "ServiceMonitor/kvs-kvshard-engine",
     "ServiceMonitor/kvs-kvshard-operator", "ServiceMonitor/kvs-kvshard-router", "NetworkPolicy/kvs-kvshard-engine",

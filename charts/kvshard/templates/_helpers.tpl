@@ -407,3 +407,22 @@ Above etcd's recommended maximum of 8 GiB the chart refuses to render (use an ex
 {{- end -}}
 {{- $quota -}}
 {{- end }}
+
+{{/* The Gateway's namespace (gatewayApi.gateway.namespace, else the release namespace). */}}
+{{- define "kvshard.gatewayNamespace" -}}
+{{- default .Release.Namespace .Values.gatewayApi.gateway.namespace }}
+{{- end }}
+
+{{/*
+NetworkPolicy `from` entries of the inference gateway's proxies (list items at column 0):
+networkPolicy.gatewayClients, else every pod in the Gateway's namespace.
+*/}}
+{{- define "kvshard.gatewayClients" -}}
+{{- if .Values.networkPolicy.gatewayClients }}
+{{- toYaml .Values.networkPolicy.gatewayClients }}
+{{- else }}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ include "kvshard.gatewayNamespace" . }}
+{{- end }}
+{{- end }}
