@@ -24,6 +24,7 @@ from kvshard_router.corequest_publisher import CoRequestPublisher
 from kvshard_router.follower import PlacementFollower
 from kvshard_router.health import HealthChecker
 from kvshard_router.metrics import NO_POD, RouterMetrics
+from kvshard_router.picker import Picker
 from kvshard_router.policies import AffinityPolicy, RoutingPolicy, make_policy
 from kvshard_router.service import Router, error_response
 from kvshard_router.settings import RouterSettings
@@ -46,6 +47,8 @@ class RouterApp:
         self.policy = build_policy(settings)
         self.metrics = RouterMetrics(self.state, self.load, cacheshard=settings.cacheshard)
         self.session: aiohttp.ClientSession | None = None
+        self.picker: Picker | None = None
+        """The policy core both front ends share (HTTP forwarding here, ext_proc in kvshard_router.epp)."""
         self.router: Router | None = None
         self.health: HealthChecker | None = None
         self.follower: PlacementFollower | None = None
@@ -56,9 +59,10 @@ class RouterApp:
     async def start(self) -> None:
         s = self.settings
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), raise_for_status=False)
-        self.router = Router(self.state, self.policy, self.load, self.metrics, self.session,
-                             request_timeout=s.request_timeout_seconds, connect_timeout=s.connect_timeout_seconds,
-                             history_tokens=s.history_tokens, corequest=self._corequest())
+        self.picker = Picker(self.state, self.policy, self.load, self.metrics, history_tokens=s.history_tokens,
+                             corequest=self._corequest())
+        self.router = Router(self.picker, self.session, request_timeout=s.request_timeout_seconds,
+                             connect_timeout=s.connect_timeout_seconds)
         self.health = HealthChecker(self.state, self.session, interval=s.health_interval_seconds,
                                     timeout=s.connect_timeout_seconds)
         self.health.start()

@@ -290,26 +290,34 @@ class AffinityPolicy:
         """Blocks each pod answered outside its placement (counted as cached there)."""
         self._turn = 0
 
-    def scores(self, request: RouteRequest, snapshot: Snapshot, load: LoadView) -> FloatArray:
-        """score(p) for every pod of the snapshot; −inf for unhealthy pods."""
-        clusters = snapshot.clusters_of(request.items)
-        score = cached_tokens(request, snapshot, clusters)
+    def scores(self, request: RouteRequest, snapshot: Snapshot, load: LoadView, *, clusters: IntArray | None = None,
+               held: FloatArray | None = None) -> FloatArray:
+        """score(p) for every pod of the snapshot; −inf for unhealthy pods. ``clusters`` (the candidates'
+        clusters) and ``held`` (:func:`cached_tokens` of them) are the caller's lookup when it has made
+        one (:mod:`kvshard_router.decision`); ``held`` is not modified."""
+        if clusters is None:
+            clusters = snapshot.clusters_of(request.items)
+        score = cached_tokens(request, snapshot, clusters) if held is None else held
         if self.recent is not None:
-            score += self.recent.held_tokens(request.items, clusters, _item_tokens(request, snapshot), snapshot)
+            recent = self.recent.credit(request.items, clusters, _item_tokens(request, snapshot), snapshot)
+            if recent is not None:
+                score = score + recent
         if hasattr(load, "cost"):  # the router's Backlog (isinstance on a Protocol costs ~9 µs)
             score = -cast(BacklogView, load).cost(snapshot, score, request_tokens(request, snapshot))
         else:
-            score -= self.load_penalty_tokens * load.inflight(snapshot)
+            score = score - self.load_penalty_tokens * load.inflight(snapshot)
         score[~snapshot.healthy] = -np.inf
         return score
 
-    def choose(self, request: RouteRequest, snapshot: Snapshot, load: LoadView) -> str | None:
+    def choose(self, request: RouteRequest, snapshot: Snapshot, load: LoadView, *, clusters: IntArray | None = None,
+               held: FloatArray | None = None) -> str | None:
         """argmax of :meth:`scores`, ties → least loaded, then in turn (so equal replicas share the
         traffic instead of the first one taking it all). Vectorised over all pods: a dozen numpy calls
-        beat a Python loop over the request's clusters from ~10 candidates up."""
+        beat a Python loop over the request's clusters from ~10 candidates up. ``clusters``/``held``: as
+        for :meth:`scores`."""
         if not len(snapshot.healthy_indices):
             return None
-        score = self.scores(request, snapshot, load)
+        score = self.scores(request, snapshot, load, clusters=clusters, held=held)
         best = float(score.max())
         tied = np.flatnonzero(score >= best - 1e-9 * max(1.0, abs(best)))
         if len(tied) > 1:
@@ -318,8 +326,11 @@ class AffinityPolicy:
             self._turn += 1
         return snapshot.pods[int(tied[self._turn % len(tied)])]
 
-    def served(self, pod: str, request: RouteRequest, snapshot: Snapshot) -> None:
+    def served(self, pod: str, request: RouteRequest, snapshot: Snapshot, *, clusters: IntArray | None = None) -> None:
         """``pod`` answered ``request``: it now holds the request's blocks (kept off the decision's
-        path, and only for answers that came)."""
+        path, and only for answers that came). ``clusters``: the request's lookup in ``snapshot``'s
+        item index, when the caller kept it."""
         if self.recent is not None:
-            self.recent.record(pod, request.items, snapshot.clusters_of(request.items), snapshot)
+            if clusters is None:
+                clusters = snapshot.clusters_of(request.items)
+            self.recent.record(pod, request.items, clusters, snapshot)

@@ -96,13 +96,20 @@ class RecentBlocks:
     def held_tokens(self, items: Sequence[str], clusters: IntArray, tokens: npt.ArrayLike,
                     snapshot: Snapshot) -> FloatArray:
         """Per snapshot pod: tokens of ``items`` it holds from recent requests, not by placement."""
-        out = np.zeros(len(snapshot.pods), dtype=np.float64)
+        credit = self.credit(items, clusters, tokens, snapshot)
+        return np.zeros(len(snapshot.pods), dtype=np.float64) if credit is None else credit
+
+    def credit(self, items: Sequence[str], clusters: IntArray, tokens: npt.ArrayLike,
+               snapshot: Snapshot) -> FloatArray | None:
+        """:meth:`held_tokens`, or None when no pod was sent any of ``items`` lately (the usual case at
+        a large catalog: the caller then skips an array of zeros and an addition per decision)."""
         if not self._pods_of:
-            return out
+            return None
         pods_of, index = self._pods_of, snapshot.pod_index
         found = [(k, pods) for k, item in enumerate(items) if (pods := pods_of.get(item))]
         if not found:
-            return out
+            return None
+        out = np.zeros(len(snapshot.pods), dtype=np.float64)
         tk = np.broadcast_to(np.asarray(tokens, dtype=np.float64), (len(items),))
         placed, known = self._placed(snapshot), snapshot.clusters
         for k, pods in found:

@@ -25,17 +25,13 @@ import time
 from typing import Any
 
 import aiohttp
-import numpy as np
 from aiohttp import web
 
-from kvshard.request_errors import RequestError, error_body
-from kvshard_router.backlog import Backlog
-from kvshard_router.corequest import CoRequestSketch
-from kvshard_router.metrics import NO_POD, RouterMetrics, status_class
-from kvshard_router.policies import POLICIES, RouteRequest, RoutingPolicy, cached_tokens, request_tokens
-from kvshard_router.snapshot import Snapshot
+from kvshard.request_errors import error_body
+from kvshard_router.metrics import NO_POD, status_class
+from kvshard_router.picker import Pick, Picker, Refusal
+from kvshard_router.policies import POLICIES, RoutingPolicy
 from kvshard_router.state import RouterState
-from kvshard_router.validation import parse_recommend
 
 log = logging.getLogger(__name__)
 
@@ -77,21 +73,26 @@ def error_response(status: int, field: str, message: str, headers: dict[str, str
     return web.json_response(error_body(field, message), status=status, headers=headers)
 
 
-class Router:
-    """Routes requests by ``policy`` over ``state``'s snapshot; counts load and work in ``load``."""
+def refusal_response(refusal: Refusal) -> web.Response:
+    """The picker's refusal as the API's JSON error (with ``Retry-After`` and the generation when known)."""
+    headers = {"Retry-After": RETRY_AFTER_SECONDS} if refusal.retry_after else {}
+    if refusal.generation is not None:
+        headers[GENERATION_HEADER] = str(refusal.generation)
+    return error_response(refusal.status, refusal.field, refusal.message, headers or None)
 
-    def __init__(self, state: RouterState, policy: RoutingPolicy, load: Backlog, metrics: RouterMetrics,
-                 session: aiohttp.ClientSession, *, request_timeout: float, connect_timeout: float,
-                 history_tokens: int = 0, corequest: CoRequestSketch | None = None) -> None:
-        self.state = state
-        self.policy = policy
-        self.load = load
-        self.metrics = metrics
+
+class Router:
+    """Routes requests by ``picker`` (parse, one-lookup decision, counts) and forwards them to the pods."""
+
+    def __init__(self, picker: Picker, session: aiohttp.ClientSession, *, request_timeout: float,
+                 connect_timeout: float) -> None:
+        self.picker = picker
+        self.state = picker.state
+        self.policy = picker.policy
+        self.load = picker.load
+        self.metrics = picker.metrics
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
-        self.history_tokens = history_tokens
-        self.corequest = corequest
-        """Counts which clusters are requested together (published to etcd for the operator)."""
 
     def _count(self, pod: str | None, status: int) -> None:
         self.metrics.requests.labels(pod or NO_POD, status_class(status)).inc()
@@ -105,62 +106,33 @@ class Router:
     async def _recommend(self, raw: bytes, content_type: str) -> web.Response:
         if content_type != "application/json":
             return error_response(415, "body", "Content-Type must be application/json")
-        try:
-            route = parse_recommend(raw, history_tokens=self.history_tokens)
-        except RequestError as error:
-            return web.json_response(error.body(), status=error.status)
-        snapshot = self.state.snapshot
-        if snapshot is None:
-            return error_response(503, "placement", "no placement loaded yet; the router follows etcd",
-                                  {"Retry-After": RETRY_AFTER_SECONDS})
-        started = time.perf_counter()
-        pod = self.policy.choose(route, snapshot, self.load)
-        self.metrics.decision.observe(time.perf_counter() - started)
-        generation = {GENERATION_HEADER: str(snapshot.generation)}
-        if pod is None:
-            return error_response(503, "pods", f"none of the {len(snapshot.pods)} pods of generation "
-                                  f"{snapshot.generation} is healthy",
-                                  {"Retry-After": RETRY_AFTER_SECONDS, **generation})
-        found = snapshot.clusters_of(route.items)
-        clusters = [int(c) for c in np.unique(found[found >= 0])]
-        self.metrics.count_clusters(self.metrics.cluster_requests, clusters)
-        if self.corequest is not None:
-            self.corequest.add(found.tolist())
-
-        first = await self._forward(pod, raw, content_type, self._work(route, snapshot, pod))
-        if isinstance(first, Upstream):
-            return self._reply(first, snapshot, clusters, route)
-        self.state.set_health(pod, False, first.reason)
-        latest = self.state.snapshot or snapshot
-        other = self.policy.choose(route, latest.with_health({pod: False}), self.load)
+        first = self.picker.pick(raw)
+        if isinstance(first, Refusal):
+            return refusal_response(first)
+        generation = {GENERATION_HEADER: str(first.snapshot.generation)}
+        tried = await self._forward(first.pod, raw, content_type, first.work)
+        if isinstance(tried, Upstream):
+            return self._reply(tried, first)
+        self.state.set_health(first.pod, False, tried.reason)
+        other = self.picker.again(first, self.state.snapshot or first.snapshot)
         if other is None:
-            if first.answer is not None:
-                return self._reply(first.answer, snapshot, clusters, route)
-            return error_response(502, "pods", f"pod {pod} {first.reason}; no other pod is healthy",
+            if tried.answer is not None:
+                return self._reply(tried.answer, first)
+            return error_response(502, "pods", f"pod {first.pod} {tried.reason}; no other pod is healthy",
                                   {"Retry-After": RETRY_AFTER_SECONDS, **generation})
         self.metrics.retries.inc()
-        log.warning("pod %s %s; sending the request to %s instead", pod, first.reason, other)
-        second = await self._forward(other, raw, content_type, self._work(route, latest, other))
+        log.warning("pod %s %s; sending the request to %s instead", first.pod, tried.reason, other.pod)
+        second = await self._forward(other.pod, raw, content_type, other.work)
         if isinstance(second, Upstream):
-            return self._reply(second, latest, clusters, route)
-        self.state.set_health(other, False, second.reason)
-        return error_response(502, "pods", f"pod {pod} {first.reason}; pod {other} {second.reason}",
+            return self._reply(second, other)
+        self.state.set_health(other.pod, False, second.reason)
+        return error_response(502, "pods", f"pod {first.pod} {tried.reason}; pod {other.pod} {second.reason}",
                               {"Retry-After": RETRY_AFTER_SECONDS, **generation})
 
-    def _work(self, route: RouteRequest, snapshot: Snapshot, pod: str) -> float:
-        """The request's work on ``pod`` in token equivalents (what the backlog adds and drains)."""
-        j = snapshot.pod_index.get(pod)
-        held = float(cached_tokens(route, snapshot)[j]) if j is not None else 0.0
-        return self.load.work(held, request_tokens(route, snapshot))
-
-    def _reply(self, answer: Upstream, snapshot: Snapshot, clusters: list[int], route: RouteRequest) -> web.Response:
+    def _reply(self, answer: Upstream, pick: Pick) -> web.Response:
         if 200 <= answer.status < 300:
-            served = getattr(self.policy, "served", None)  # the affinity policy remembers what pods hold
-            if served is not None:
-                served(answer.pod, route, snapshot)
-            warm = self.state.warm(answer.pod)
-            self.metrics.count_clusters(self.metrics.cluster_hits, (c for c in clusters if c in warm))
-        headers = {**answer.headers, POD_HEADER: answer.pod, GENERATION_HEADER: str(snapshot.generation)}
+            self.picker.answered(pick, answer.pod)
+        headers = {**answer.headers, POD_HEADER: answer.pod, GENERATION_HEADER: str(pick.snapshot.generation)}
         return web.Response(status=answer.status, body=answer.body, headers=headers)
 
     async def _forward(self, pod: str, raw: bytes, content_type: str, work: float) -> Upstream | Failure:

@@ -28,7 +28,9 @@ PolicyName = Literal["affinity", "round-robin", "least-loaded", "prefix-aware"]
 @dataclass(frozen=True)
 class RouterSettings:
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a pod)")
-    port: int = setting(8200, "HTTP port of the router")
+    port: int = setting(8200, "HTTP port of the router (`router epp`: /healthz, /readyz, /metrics only)")
+    epp_port: int = setting(9002, "gRPC port of the Gateway API Inference Extension endpoint picker (Envoy "
+                            "ext_proc; `kvshard router epp` only)")
     etcd_endpoints: tuple[str, ...] = setting((), "etcd endpoints host:port holding the placement (comma-separated)")
     etcd_username: str = setting("", "etcd user (empty: no authentication)")
     etcd_password: str = setting("", "etcd password", secret=True)
@@ -62,8 +64,9 @@ class RouterSettings:
     router_name: str = setting("", "this router's name under corequest/ in etcd (empty: the host name)")
 
     def __post_init__(self) -> None:
-        if not 1 <= self.port <= 65535:
-            raise settings_lib.SettingsError("port must be in 1..65535")
+        for name in ("port", "epp_port"):
+            if not 1 <= getattr(self, name) <= 65535:
+                raise settings_lib.SettingsError(f"{name} must be in 1..65535")
         if not 0.0 <= self.cached_token_cost <= 1.0:
             raise settings_lib.SettingsError("cached_token_cost must be in [0, 1]")
         for name in ("health_interval_seconds", "request_timeout_seconds", "connect_timeout_seconds"):

@@ -65,20 +65,24 @@ class ItemIndex:
     [7, -1, 3]
     """
 
-    __slots__ = ("_collisions", "_directory", "_keys", "_shift", "_values", "_window")
+    __slots__ = ("_collisions", "_directory", "_keys", "_n", "_shift", "_values", "_window")
 
     def __init__(
         self, keys: UIntArray, values: npt.NDArray[np.signedinteger[Any]], collisions: dict[str, int]
     ) -> None:
-        self._keys = keys
-        self._values = values
+        self._n = len(keys)
         self._collisions = collisions
         bits = max(1, int(len(keys) // 8).bit_length())
         self._shift = np.uint64(64 - bits)
         counts = np.bincount((keys >> self._shift).astype(np.int64), minlength=1 << bits)
         self._directory = np.zeros((1 << bits) + 1, dtype=np.int64 if len(keys) >= 2**31 else np.int32)
         np.cumsum(counts, out=self._directory[1:])
-        self._window = np.arange(max(1, int(counts.max(initial=0))), dtype=np.int64)
+        width = max(1, int(counts.max(initial=0)))
+        self._window = np.arange(width, dtype=np.int64)
+        # One window's worth of padding past the end, so a lookup needs no bounds clamp: the pad keys
+        # (all ones) can only match a hash of all ones the index lacks, and their values say UNKNOWN.
+        self._keys = np.concatenate([keys, np.full(width, np.iinfo(np.uint64).max, dtype=np.uint64)])
+        self._values = np.concatenate([values, np.full(width, UNKNOWN, dtype=values.dtype)])
 
     @classmethod
     def from_mapping(cls, item_clusters: Mapping[str, int]) -> ItemIndex:
@@ -116,7 +120,7 @@ class ItemIndex:
         return cls(keys, values, collisions)
 
     def __len__(self) -> int:
-        return len(self._keys) + len(self._collisions)
+        return self._n + len(self._collisions)
 
     @property
     def nbytes(self) -> int:
@@ -126,16 +130,15 @@ class ItemIndex:
 
     def lookup(self, ids: Sequence[str]) -> IntArray:
         """Cluster of each id, :data:`UNKNOWN` (−1) for ids not in the placement."""
-        out = np.full(len(ids), UNKNOWN, dtype=np.int64)
-        n = len(self._keys)
-        if n and len(ids):
+        if self._n and len(ids):
+            # a dozen numpy calls whatever the batch: their per-call overhead is the cost at 20 ids
             h = _hashes(ids, len(ids))
-            start = self._directory[(h >> self._shift).astype(np.int64)].astype(np.int64)
-            window = np.minimum(start[:, None] + self._window, n - 1)
-            match = self._keys[window] == h[:, None]
-            found = match.any(axis=1)
-            pos = start[found] + match[found].argmax(axis=1)
-            out[found] = self._values[pos]
+            start = self._directory[h >> self._shift]
+            match = self._keys[start[:, None] + self._window] == h[:, None]
+            cluster = self._values[start + match.argmax(axis=1)]
+            out: IntArray = np.where(match.any(axis=1), cluster, np.int64(UNKNOWN))  # int64 like the else
+        else:
+            out = np.full(len(ids), UNKNOWN, dtype=np.int64)
         if self._collisions:
             for j, item in enumerate(ids):
                 cluster = self._collisions.get(item)
@@ -224,13 +227,16 @@ class Snapshot:
         return tuple(self.pods[j] for j in self.holders[self.indptr[cluster] : self.indptr[cluster + 1]])
 
     def cached_tokens(self, clusters: IntArray, tokens: npt.ArrayLike) -> FloatArray:
-        """Per pod: Σ ``tokens[j]`` over items ``j`` whose cluster the pod holds (item blocks only)."""
+        """Per pod: Σ ``tokens[j]`` over items ``j`` whose cluster the pod holds (item blocks only);
+        ``clusters`` as :meth:`clusters_of` gives them (−1 for unknown, never below)."""
         tk = np.asarray(tokens, dtype=np.float64)
         padded = self.padded
         if padded is not None:
-            # unknown (−1) and out-of-range clusters both land on the all-padding last row
-            rows = padded[np.where((clusters >= 0) & (clusters < self.clusters), clusters, -1)]
-            weights = np.repeat(np.broadcast_to(tk, clusters.shape), padded.shape[1])
+            # unknown (−1, what a lookup gives) and out-of-range clusters both land on the all-padding
+            # last row (index −1 and index ``clusters`` are the same row)
+            rows = padded[np.minimum(clusters, self.clusters)]
+            weights = np.repeat(tk if tk.shape == clusters.shape else np.broadcast_to(tk, clusters.shape),
+                                padded.shape[1])
             credit = np.bincount(rows.ravel(), weights=weights, minlength=len(self.pods) + 1)[:-1]
             return credit.astype(np.float64, copy=False)
         known = (clusters >= 0) & (clusters < self.clusters)

@@ -19,12 +19,19 @@ def test_small_run_reports_every_policy_and_writes_json_and_png(tmp_path: Path) 
     ])
     rows = routing.run(args)
 
-    by_policy = {row["policy"]: row for row in rows}
+    by_policy = {row["policy"]: row for row in rows if row["front_end"] == "http"}
     assert list(by_policy) == ["round-robin", "least-loaded", "prefix-aware", "affinity", "affinity+rebalance",
                                "affinity+learned"]
     for row in rows:
-        assert {"policy", "hit_ratio", "imbalance", "p99_ms", "decision_p99_us"} <= set(row)
+        assert {"policy", "front_end", "hit_ratio", "imbalance", "p99_ms", "decision_p99_us",
+                "decision_cpu_p99_us"} <= set(row)
+        assert 0 < row["decision_cpu_p99_us"] and 0 < row["decision_p99_us"]
         assert 0 <= row["hit_ratio"] <= 1 and row["imbalance"] >= 1 and row["p99_ms"] > 0
+    # the same trace through the EPP front end: the same choices, so the same hits and latencies
+    (epp,) = [row for row in rows if row["front_end"] == "epp"]
+    assert epp["policy"] == "affinity" and epp["same_choices_as_http"] is True
+    assert (epp["hit_ratio"], epp["p99_ms"]) == (by_policy["affinity"]["hit_ratio"], by_policy["affinity"]["p99_ms"])
+    assert epp["message_p99_us"] > 0
     assert by_policy["affinity"]["hit_ratio"] > 1.3 * by_policy["round-robin"]["hit_ratio"]
     assert by_policy["affinity+rebalance"]["rebalance_actions"] > 0
     assert by_policy["round-robin"]["rebalance_actions"] == 0
