@@ -4,7 +4,9 @@ Brings up the local cluster (etcd, Prometheus, the emulated Kubernetes API with 
 sidecar pods, the router), applies the example CacheShard and waits for ``Ready`` and warm pods,
 then replays MovieLens sessions through the router in three phases:
 
-1. **steady** — session requests whose candidates are retrieval-like (:mod:`demo_trace`);
+1. **steady** — session requests whose candidates are a retrieval stage's output (:mod:`demo_trace`;
+   ``--candidate-set retrieval``, the default: item-kNN over the training users, held-out users'
+   sessions, the target only where retrieved; ``neighbours``: the target plus embedding neighbours);
 2. **burst** — a share of requests take their candidates from one or two clusters held by a single
    pod (a trending topic), until the operator's rebalancer publishes a new placement generation and
    its new holders report warm (bounded by ``--burst-timeout``);
@@ -14,7 +16,9 @@ then replays MovieLens sessions through the router in three phases:
 the router and sidecars follow) and the CacheShard's conditions every few seconds. At the end, a sample
 of the same requests is re-sent one at a time straight to the sidecar that served it, blended and
 with ``blend.method = full`` (exact full prefill), for TTFT, agreement of the chosen candidate and the
-quality of both rankings against the item the user rated next. The numbers and
+quality of both rankings against the item the user rated next — with retrieval-stage candidates, beside
+the retrieval stage's own order (all session requests, a missed target scoring 0, and the retrieved
+ones). The numbers and
 the picture come from :mod:`demo_report`; files go to ``--out`` (default ``<user cache>/demo``).
 
 After the replay, :mod:`demo_ramp` runs a load ramp (``--no-ramp``: none): the cluster goes to the
@@ -58,11 +62,22 @@ from kvshard.datasets import Dataset, load_dataset
 from kvshard.models import MEASURED_MODEL
 from kvshard.paths import cache_dir
 from kvshard.placement_schema import Placement
+from kvshard.retrieval import RetrievalIndex
 from kvshard.settings import SettingsError, env_setting
+from kvshard.splits import UserSplit
 from kvshard_bench import demo_fidelity, demo_ramp
 from kvshard_bench import demo_report as report
 from kvshard_bench.demo_reference import FullPrefillReference
-from kvshard_bench.demo_trace import DemoRequest, DemoTrace, DemoTraceSettings, ItemSpace, items_in, pick_hot_clusters
+from kvshard_bench.demo_trace import (
+    CANDIDATE_SETS,
+    CandidateSet,
+    DemoRequest,
+    DemoTrace,
+    DemoTraceSettings,
+    ItemSpace,
+    items_in,
+    pick_hot_clusters,
+)
 from kvshard_bench.demo_verdict import verdict
 from kvshard_bench.demo_watch import PlacementWatch
 
@@ -100,6 +115,9 @@ class DemoSettings:
     ramp: bool = True
     """After the replay, a load ramp the autoscaler answers (:mod:`demo_ramp`)."""
     ramp_timeout_s: float = 600.0
+    candidate_set: CandidateSet = "retrieval"
+    """Session requests' candidates (:class:`~kvshard_bench.demo_trace.DemoTraceSettings`): the retrieval
+    stage's, so the quality table means what a reranker in production faces, or embedding neighbours."""
 
     @property
     def out_dir(self) -> Path:
@@ -132,6 +150,10 @@ def settings_from(args: argparse.Namespace) -> DemoSettings:
         raise SystemExit(f"kvshard demo: --engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if getattr(args, "pods", None) is None:
         args.pods = VLLM_DEFAULTS["pods"] if engine == "vllm" else DEFAULT_PODS
+    candidate_set = getattr(args, "candidate_set", None) or DemoSettings.candidate_set
+    if candidate_set not in CANDIDATE_SETS:
+        raise SystemExit(f"kvshard demo: --candidate-set must be one of {', '.join(CANDIDATE_SETS)}, "
+                         f"got {candidate_set!r}")
     for name in ("pods", "requests", "users", "concurrency"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvshard demo: --{name} must be at least 1")
@@ -142,7 +164,8 @@ def settings_from(args: argparse.Namespace) -> DemoSettings:
                             burst_timeout_s=args.burst_timeout, seed=args.seed,
                             fidelity_target=args.fidelity_target, fidelity_sample_rate=args.fidelity_sample_rate,
                             fidelity_interval_s=args.fidelity_interval, ramp=args.ramp,
-                            ramp_timeout_s=args.ramp_timeout)
+                            ramp_timeout_s=args.ramp_timeout,
+                            candidate_set=cast(CandidateSet, candidate_set))
     if settings.ramp_timeout_s <= 0:
         raise SystemExit("kvshard demo: --ramp-timeout must be > 0")
     try:
@@ -268,7 +291,7 @@ class Replay:
         self.records: list[report.Record] = []
         self.requests: dict[int, DemoRequest] = {}
         self.pairs_failed = 0
-        self.notes: dict[str, Any] = {"model": settings.model}
+        self.notes: dict[str, Any] = {"model": settings.model, "candidates": _CANDIDATE_NOTES[settings.candidate_set]}
         if settings.engine == "vllm":
             self.notes["engine"] = ("vllm: each pod's own vLLM computes what no block holds; the full-prefill "
                                     "reference is computed in the demo's process with the blend engine "
@@ -349,10 +372,13 @@ class Replay:
         from kvshard_operator.embedding import embed_catalog
 
         settings = DemoTraceSettings(users=self.settings.users, seed=self.settings.seed,
-                                     requests_per_user=max(1, math.ceil(self.settings.requests / self.settings.users)))
+                                     requests_per_user=max(1, math.ceil(self.settings.requests / self.settings.users)),
+                                     candidate_set=self.settings.candidate_set)
         ids = sorted(self.dataset.items)  # the operator's catalog order: its embedding cache is reused
         vectors = embed_catalog(ids, [self.dataset.items[i].text for i in ids])
-        return DemoTrace(self.dataset, ItemSpace.build(self.dataset, vectors, settings, ids), settings)
+        # the fine-tuning split: the stage counts what training saw, sessions come from the other users
+        retrieval = (RetrievalIndex.fit(self.dataset, UserSplit()) if settings.candidate_set == "retrieval" else None)
+        return DemoTrace(self.dataset, ItemSpace.build(self.dataset, vectors, settings, ids), settings, retrieval)
 
     # -------------------------------------------------------------------------------- requests
 
@@ -390,7 +416,8 @@ class Replay:
         placement = self.watch.current
         sent = self._now()
         record = report.Record(request.index, phase, sent, 0.0, 0, None, generation, request.target,
-                               request.trending)
+                               request.trending, from_retrieval=request.from_retrieval,
+                               retrieval_rank=request.retrieval_rank)
         try:
             url = f"{self.cluster.router_url}/v1/recommend"
             async with self.http.post(url, json=request.body()) as resp:
@@ -476,3 +503,9 @@ class Replay:
 
 
 _EMPTY = Placement(0, {}, {})
+_CANDIDATE_NOTES = {
+    "retrieval": ("session requests: the retrieval stage's items (item-kNN of the history over the training users, "
+                  "topped up with popular items; held-out users' sessions), the target only where retrieved; "
+                  "burst requests: the hot pool plus the target"),
+    "neighbours": "the target plus Zipf-sampled embedding neighbours of the history (or of the burst's hot pool)",
+}

@@ -16,7 +16,10 @@ without a cluster:
   (the answer is a ranking over the candidates, :mod:`kvshard.ranking`);
 * recommendation quality — HR@1, HR@5, NDCG@10 of the rankings against the item the user actually
   rated next — of the replay, of blended and full prefill on the re-sent requests, and of a random
-  ranking (its expectation), so "same as full prefill" and "useful at all" sit side by side;
+  ranking (its expectation), so "same as full prefill" and "useful at all" sit side by side; with
+  retrieval-stage candidates (:mod:`kvshard.retrieval`), the served model beside the retrieval stage's
+  own order and its recall — over every such request, a target the stage missed scoring 0 for both,
+  and over those whose target it retrieved (:func:`retrieval_quality`);
 * per-pod request share per phase with the max/mean imbalance, the generations seen and what each
   new generation changed;
 * with a fidelity target, the guard's decisions over time (:mod:`demo_fidelity`);
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshard.ranking import QUALITY_METRICS, hit_at, ndcg_at, random_quality
+from kvshard.retrieval import quality_or_miss
 from kvshard_bench import demo_fidelity, demo_ramp
 
 TIERS = ("memory", "disk", "peer")
@@ -66,6 +70,10 @@ class Record:
     rr_held: float | None = None
     """The same for the pod round-robin would have picked."""
     error: str = ""
+    from_retrieval: bool = False
+    """Whether the candidates were the retrieval stage's (the target among them only if it retrieved it)."""
+    retrieval_rank: int | None = None
+    """The target's 0-based position in the retrieval stage's order (None: not retrieved, or not from it)."""
 
     @property
     def ok(self) -> bool:
@@ -120,6 +128,34 @@ def quality_of(ranks: Iterable[tuple[int | None, int]]) -> dict[str, float | int
         "hr5": sum(hit_at(rank, 5) for rank, _ in used) / len(used),
         "ndcg10": sum(ndcg_at(rank, 10) for rank, _ in used) / len(used),
         **{f"random_{m}": sum(e[m] for e in expected) / len(expected) for m in QUALITY_METRICS},
+    }
+
+
+def retrieval_quality(records: Iterable[Record]) -> dict[str, Any] | None:
+    """The served model's ranking and the retrieval stage's order on the successful requests whose
+    candidates the stage chose: the stage's recall, and HR@1/HR@5/NDCG@10 of both — over all of them (a
+    target the stage missed is not among the candidates and scores 0 for both) and over the retrieved
+    ones — beside a random reranking's expectation. None when no request came from the stage."""
+    used = [r for r in records if r.ok and r.from_retrieval]
+    if not used:
+        return None
+    retrieved = [r for r in used if r.retrieval_rank is not None]
+
+    def mean(ranks: Sequence[int | None], among: int) -> dict[str, float | None]:
+        scored = [quality_or_miss(rank) for rank in ranks]
+        return {m: sum(q[m] for q in scored) / among if among else None for m in QUALITY_METRICS}
+
+    chance = [random_quality(r.num_candidates) for r in retrieved if r.num_candidates]
+    random_retrieved = {m: sum(c[m] for c in chance) / len(chance) if chance else None for m in QUALITY_METRICS}
+    share = len(retrieved) / len(used)
+    return {
+        "requests": len(used), "retrieved": len(retrieved), "recall": share,
+        "served": {"all": mean([r.target_rank for r in used], len(used)),
+                   "retrieved": mean([r.target_rank for r in retrieved], len(retrieved))},
+        "retrieval_order": {"all": mean([r.retrieval_rank for r in used], len(used)),
+                            "retrieved": mean([r.retrieval_rank for r in retrieved], len(retrieved))},
+        "random": {"all": {m: None if v is None else v * share for m, v in random_retrieved.items()},
+                   "retrieved": random_retrieved},
     }
 
 
@@ -247,6 +283,7 @@ def summarize(records: Sequence[Record], pairs: Sequence[PrefillPair], samples: 
         "quality": {"replay": quality_of((r.target_rank, r.num_candidates) for r in ok),
                     "blended": quality_of((p.blended_rank, p.num_candidates) for p in pairs),
                     "full": quality_of((p.full_rank, p.num_candidates) for p in pairs)},
+        **({"retrieval": stage} if (stage := retrieval_quality(records)) is not None else {}),
         "phases": phases,
         "generations": {str(g): t for g, t in sorted(generations.items())},
         "changes": {str(g): list(lines) for g, lines in sorted(changes.items())},
@@ -309,7 +346,18 @@ def render(summary: Mapping[str, Any]) -> str:
                             ("blended, re-sent", quality["blended"]), ("full prefill, re-sent", quality["full"]))]
     rows.append(["random", str(quality["replay"]["requests"]),
                  *(_fmt(quality["replay"][f"random_{m}"], ".2f") for m in QUALITY_METRICS)])
-    out += _table(["ranking", "requests", "HR@1", "HR@5", "NDCG@10"], rows) + [""]
+    out += _table(["ranking", "requests", "HR@1", "HR@5", "NDCG@10"], rows)
+    stage: Mapping[str, Any] | None = summary.get("retrieval")
+    if stage is not None:
+        out += ["(rows above: requests whose target is among the candidates)", "",
+                f"Retrieval-stage candidates: {stage['requests']} session requests, recall@K {stage['recall']:.0%} "
+                f"({stage['retrieved']} targets retrieved); 'all' counts a missed target as 0 for every ranking"]
+        rows = [[name, *(_fmt(stage[key][subset][m], ".2f") for subset in ("all", "retrieved")
+                         for m in ("ndcg10", "hr1"))]
+                for name, key in (("served model (replay)", "served"), ("retrieval order", "retrieval_order"),
+                                  ("random", "random"))]
+        out += _table(["ranking", "NDCG@10 (all)", "HR@1 (all)", "NDCG@10 (retrieved)", "HR@1 (retrieved)"], rows)
+    out += [""]
     phases: Mapping[str, Mapping[str, Any]] = summary["phases"]
     pods = sorted({p for v in phases.values() for p in v["share"]})
     out += ["Per-pod request share per phase"]

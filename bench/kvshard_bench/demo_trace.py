@@ -17,24 +17,36 @@ are near the user's recent ones in some embedding space. So the demo:
 * during a *hot-shard burst* a ``share`` of requests take their candidates from a given hot pool
   (the items of one or two clusters, chosen from the live placement by :func:`pick_hot_clusters`).
 
+With ``candidate_set = "retrieval"`` (``kvshard demo --candidate-set retrieval``, the default) a session
+request's candidates are instead what a retrieval stage hands an LLM reranker
+(:mod:`kvshard.retrieval`: item-kNN of the session's history over the *training* users, topped up with
+popular items), excluding everything the user interacted with before the target. The target is among
+them only when the stage retrieved it — never inserted — so the demo's quality table can put the
+served model beside the stage's own order, the bar a reranker must clear. Sessions then come from users
+the retrieval statistics never counted (held-out users), so no target shaped its own candidates.
+Burst requests keep their hot-pool candidates (the target inserted): they are load, not quality.
+
 Users' sessions are interleaved by a seeded shuffle that keeps each user's order; the stream wraps
 around (with fresh candidate draws) when a phase needs more requests than the sessions hold, because
 the burst lasts until the operator rebalances, which is not known in advance. Everything is seeded:
-the same calls give the same requests. Pure (numpy only): no I/O, no model.
+the same calls give the same requests. Pure (numpy and the core's retrieval stage): no I/O, no model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from kvshard.datasets import Dataset
+from kvshard.retrieval import RetrievalIndex
 from kvshard_operator import placement as op_placement
 
+CandidateSet = Literal["neighbours", "retrieval"]
+CANDIDATE_SETS: tuple[CandidateSet, ...] = ("retrieval", "neighbours")
 FloatArray = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int64]
 
@@ -50,8 +62,13 @@ class DemoTraceSettings:
     zipf: float = 1.0
     cooccurrence_percent: int = 50
     seed: int = 0
+    candidate_set: CandidateSet = "neighbours"
+    """``neighbours``: the target plus Zipf-sampled embedding neighbours; ``retrieval``: the retrieval
+    stage's items (:class:`~kvshard.retrieval.RetrievalIndex`), the target only where retrieved."""
 
     def __post_init__(self) -> None:
+        if self.candidate_set not in CANDIDATE_SETS:
+            raise ValueError(f"candidate_set must be one of {', '.join(CANDIDATE_SETS)}, got {self.candidate_set!r}")
         if self.users < 1 or self.requests_per_user < 1 or self.history < 1:
             raise ValueError("users, requests_per_user and history must be at least 1")
         if self.candidates < 2:
@@ -68,6 +85,11 @@ class DemoRequest:
     candidates: tuple[str, ...]
     target: str
     trending: bool
+    retrieval_rank: int | None = None
+    """With retrieval-stage candidates: the target's 0-based position in the stage's own order (None:
+    the stage did not retrieve it, so it is not among the candidates)."""
+    from_retrieval: bool = False
+    """Whether the candidates are the retrieval stage's (not a burst's hot pool, not neighbours)."""
 
     def body(self, **extra: Any) -> dict[str, Any]:
         """The JSON body (``extra`` adds e.g. ``blend`` or ``max_tokens``)."""
@@ -107,22 +129,34 @@ class ItemSpace:
 
 
 class DemoTrace:
-    """The seeded request stream: ``next()`` gives the next request, trending or not."""
+    """The seeded request stream: ``next()`` gives the next request, trending or not. ``retrieval`` is the
+    retrieval stage, required with ``candidate_set = "retrieval"``: sessions are then sampled from the
+    users it was not fitted on."""
 
-    def __init__(self, dataset: Dataset, space: ItemSpace, settings: DemoTraceSettings) -> None:
+    def __init__(self, dataset: Dataset, space: ItemSpace, settings: DemoTraceSettings,
+                 retrieval: RetrievalIndex | None = None) -> None:
         self.space, self.settings = space, settings
+        if settings.candidate_set == "retrieval" and retrieval is None:
+            raise ValueError("retrieval-stage candidates need a retrieval index")
+        self.retrieval = retrieval if settings.candidate_set == "retrieval" else None
         self._rng = np.random.default_rng(settings.seed)
         need = settings.history + settings.requests_per_user
-        eligible = sorted((u for u, h in dataset.histories.items() if len(h) >= need), key=_natural)
+        fitted = self.retrieval.users if self.retrieval is not None else frozenset()
+        eligible = sorted((u for u, h in dataset.histories.items() if len(h) >= need and u not in fitted),
+                          key=_natural)
         if not eligible:
-            raise ValueError(f"no user has {need} interactions")
+            raise ValueError(f"no user has {need} interactions"
+                             + (" outside the retrieval statistics" if fitted else ""))
         users = self._rng.choice(len(eligible), size=min(settings.users, len(eligible)), replace=False)
         self.sessions: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        self._earlier: dict[str, tuple[str, ...]] = {}
+        """Each user's interactions before the session (beyond its history): the retrieval stage excludes them."""
         for j in sorted(users.tolist()):
             user = eligible[j]
             items = dataset.histories[user]
             cut = len(items) - settings.requests_per_user
             self.sessions[user] = (tuple(items[cut - settings.history : cut]), tuple(items[cut:]))
+            self._earlier[user] = tuple(items[:cut])
         slots = [u for u in self.sessions for _ in range(settings.requests_per_user)]
         self._rng.shuffle(slots)
         self._events: list[tuple[str, int]] = []
@@ -146,6 +180,8 @@ class DemoTrace:
         row = self.space.row
         exclude = {row[i] for i in (*history, target) if i in row}
         trending = bool(hot_pool) and float(self._rng.random()) < share
+        if not trending and self.retrieval is not None:
+            return self._retrieved(index, user, history, (*self._earlier[user], *targets[:k]), target)
         if trending:
             pool = np.array(sorted({row[i] for i in hot_pool if i in row}), dtype=np.int64)
         else:
@@ -158,6 +194,18 @@ class DemoTrace:
         chosen = [target, *(self.space.ids[p] for p in picks)]
         self._rng.shuffle(chosen)
         return DemoRequest(index, user, history, tuple(chosen), target, trending)
+
+    def _retrieved(self, index: int, user: str, history: tuple[str, ...], past: tuple[str, ...],
+                   target: str) -> DemoRequest:
+        """The retrieval stage's candidates for ``history``, excluding the user's ``past`` (everything
+        before the target: earlier items and the session's earlier targets), in a seeded shuffle; the
+        target is only looked up in the result."""
+        assert self.retrieval is not None
+        order = [r.item for r in self.retrieval.retrieve(history, self.settings.candidates, exclude=past)]
+        shown = list(order)
+        self._rng.shuffle(shown)
+        rank = order.index(target) if target in order else None
+        return DemoRequest(index, user, history, tuple(shown), target, False, rank, from_retrieval=True)
 
     def _sample(self, pool: IntArray, exclude: set[int], k: int) -> list[int]:
         pool = pool[~np.isin(pool, np.fromiter(exclude, dtype=np.int64, count=len(exclude)))]

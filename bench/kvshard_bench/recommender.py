@@ -20,6 +20,14 @@ Beside the models, two model-free rankings of the same requests say how good a r
 popularity (rating count) and item-kNN (co-occurrence with the history over training users, the
 fine-tuning teacher); their numbers are in every JSON row as ``popularity_*`` and ``item_knn_*``.
 
+``--candidate-set retrieval`` replaces the uniform negatives with a retrieval stage's output
+(:mod:`kvshard.retrieval`: item-kNN of the history over the training users, topped up with popular
+items, ``--candidates`` of them), as a production system hands candidates to an LLM reranker. The
+target is among them only when the stage retrieved it (never inserted), so the rows add the stage's
+``retrieval_recall`` and its own order as a baseline (``retrieval_order_*``); ``hr1``/``ndcg10`` are over
+all requests (a missed target scores 0 for every ranking) and ``retrieved_*`` over the requests whose
+target was retrieved. The bar: the model's NDCG@10 above the retrieval order's.
+
 Every request is scored under the same permutations for every model. Rows carry the model name and
 weights hash, the sample (dataset, users, history, candidates, seed, split) and whether the issue's
 targets (HR@1 ≥ 0.30, consistency ≥ 0.8, no letter above 25 %) are met.
@@ -32,7 +40,7 @@ import json
 import random
 import statistics
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +56,7 @@ from kvshard.prompts import (
     sample_requests,
 )
 from kvshard.ranking import QUALITY_METRICS, best_index, quality, random_quality
+from kvshard.retrieval import RetrievalIndex, RetrievedRequest, quality_or_miss, recall, retrieval_requests
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
 from kvshard_bench.tables import format_cells
 from kvshard_training.teacher import ItemKnnTeacher
@@ -55,7 +64,9 @@ from kvshard_training.teacher import ItemKnnTeacher
 Row = dict[str, Any]
 TARGETS = {"hr1": 0.30, "position_consistency": 0.8, "max_label_share": 0.25}
 BOOTSTRAP_SAMPLES = 1000
-BASELINE_NAMES = {"popularity": "popularity (rating count)", "item_knn": "item-kNN (training users)"}
+BASELINE_NAMES = {"popularity": "popularity (rating count)", "item_knn": "item-kNN (training users)",
+                  "retrieval_order": "retrieval order (the stage's own)"}
+CANDIDATE_SETS = ("uniform", "retrieval")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--users", type=int, default=50, help="held-out users, one request each (default: %(default)s)")
     parser.add_argument("--history", type=int, default=30, help="history items per user (default: %(default)s)")
     parser.add_argument("--candidates", type=int, default=20,
-                        help="candidates: the last item and sampled unseen negatives (default: %(default)s)")
+                        help="candidates: the last item and sampled unseen negatives, or the items the retrieval "
+                             "stage returns (default: %(default)s)")
+    parser.add_argument("--candidate-set", choices=CANDIDATE_SETS, default="uniform",
+                        help="'uniform': the target plus negatives drawn uniformly from unseen items; 'retrieval': "
+                             "the retrieval stage's items (item-kNN of the history over training users, topped up "
+                             "with popular items), the target only where retrieved (default: %(default)s)")
     parser.add_argument("--permutations", type=int, default=3,
                         help="candidate orders per request, for position consistency (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling and permutation seed (default: %(default)s)")
@@ -155,11 +171,12 @@ def item_knn_quality(dataset: Dataset, split: UserSplit,
 def baseline_quality(orders: Sequence[Sequence[RecommendationRequest]],
                      scores: Callable[[RecommendationRequest], list[float]]) -> dict[str, float]:
     """HR@1/HR@5/NDCG@10 of a model-free ranking ``scores`` on the benchmark's requests, averaged like a
-    model's row (per user over the orders, then over users)."""
+    model's row (per user over the orders, then over users); a target that is not among the candidates
+    (the retrieval stage missed it) scores 0."""
     per_user = []
     for user_orders in orders:
-        answers = [quality(scores(r), r.candidates.index(str(r.target)))
-                   for r in user_orders if r.target in r.candidates]
+        answers = [quality(scores(r), r.candidates.index(str(r.target))) if r.target in r.candidates
+                   else quality_or_miss(None) for r in user_orders if r.target is not None]
         if answers:
             per_user.append({m: statistics.fmean(a[m] for a in answers) for m in QUALITY_METRICS})
     return {m: statistics.fmean(u[m] for u in per_user) if per_user else 0.0 for m in QUALITY_METRICS}
@@ -192,6 +209,15 @@ class Answers:
         self.metrics[name][-1].append(quality(scores, target) if target is not None
                                       else dict.fromkeys(QUALITY_METRICS, 0.0))
 
+    def subset_quality(self, name: str, keep: Sequence[bool]) -> dict[str, float]:
+        """HR@1/HR@5/NDCG@10 of ``name`` averaged like :func:`summarize` over the users ``keep`` selects
+        (zeros when it selects none)."""
+        if len(keep) != len(self.metrics[name]):
+            raise ValueError(f"{len(keep)} flags for {len(self.metrics[name])} users")
+        chosen = [user for user, kept in zip(self.metrics[name], keep, strict=True) if kept]
+        per_user = [{m: statistics.fmean(q[m] for q in user) for m in QUALITY_METRICS} for user in chosen]
+        return {m: statistics.fmean(u[m] for u in per_user) if per_user else 0.0 for m in QUALITY_METRICS}
+
     def rows(self, seed: int, prefix: str = "") -> list[Row]:
         """One :func:`summarize` row per name (``model``: ``prefix`` + name), with ``targets_met``."""
         rows: list[Row] = []
@@ -208,10 +234,11 @@ def sample_line(users: int, candidates: int, history: int, orders: int, who: str
 
 
 def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
-                   seed: int, progress: bool = True) -> Row:
+                   seed: int, progress: bool = True, retrieved: Sequence[bool] | None = None) -> Row:
     """Score every permutation of every request with the blend engine's full prefill — the label logits at
     the answer position, or for a model trained as an isolated scorer its per-candidate scores
-    (:mod:`kvshard_sidecar.engine.isolated_scorer`, float32 head); one summary row."""
+    (:mod:`kvshard_sidecar.engine.isolated_scorer`, float32 head); one summary row. ``retrieved`` flags
+    the requests whose target the retrieval stage retrieved: the row adds ``retrieved_*`` over those."""
     from kvshard.models import model_scorer, model_template
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
     from kvshard_sidecar.engine.isolated_scorer import Readout, scoring_prompt
@@ -247,6 +274,8 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
     row: Row = {"model": loaded.identity.name, "revision": loaded.identity.revision, "path": str(path),
                 "label_position": builder.template.label_position, "scorer": scorer}
     row.update({k: v for k, v in answers.rows(seed)[0].items() if k not in ("model", "targets_met")})
+    if retrieved is not None:
+        row.update({f"retrieved_{m}": v for m, v in answers.subset_quality(loaded.identity.name, retrieved).items()})
     row["tokens"] = round(statistics.fmean(tokens)) if tokens else 0
     return row
 
@@ -258,7 +287,18 @@ def run(args: argparse.Namespace) -> list[Row]:
     dataset = load_dataset(args.dataset)
     split = UserSplit(args.heldout_fraction, args.split_salt)
     pool = dataset if args.all_users else split.heldout_dataset(dataset)
-    requests = sample_requests(pool, args.users, args.history, args.candidates, args.seed)
+    stage: list[RetrievedRequest] | None = None
+    if args.candidate_set == "retrieval":
+        if args.all_users:
+            raise SystemExit("--candidate-set retrieval samples held-out users only: the retrieval stage's "
+                             "statistics are the training users' (drop --all-users)")
+        if args.candidates < 2:
+            raise SystemExit("--candidates must be at least 2")
+        stage = retrieval_requests(pool, RetrievalIndex.fit(dataset, split), args.users, args.history,
+                                   args.candidates, args.seed)
+        requests = [r.request for r in stage]
+    else:
+        requests = sample_requests(pool, args.users, args.history, args.candidates, args.seed)
     if not requests:
         raise SystemExit(f"no {'' if args.all_users else 'held-out '}user of {args.dataset} has more than "
                          f"{args.history} interactions")
@@ -267,10 +307,14 @@ def run(args: argparse.Namespace) -> list[Row]:
               "candidates": args.candidates, "permutations": max(1, args.permutations), "seed": args.seed,
               "split": "all users" if args.all_users else
               f"held-out users (fraction {args.heldout_fraction}, salt {args.split_salt})",
-              "target": "each user's last interaction"}
-    expected = {f"random_{m}": v for m, v in random_quality(args.candidates).items()}
+              "target": "each user's last interaction", "candidate_set": args.candidate_set}
+    expected: dict[str, float | int] = {f"random_{m}": v for m, v in random_quality(args.candidates).items()}
     baselines = {"popularity": popularity_quality(dataset, orders),
                  "item_knn": item_knn_quality(dataset, split, orders)}
+    retrieved = [r.retrieved for r in stage] if stage is not None else None
+    if stage is not None:  # recall, the stage's own order and a random reranking, all and retrieved-only
+        expected = retrieval_fields(stage, args.candidates)
+        baselines["retrieval_order"] = {m: float(expected[f"retrieval_order_{m}"]) for m in QUALITY_METRICS}
     expected |= {f"{name}_{m}": v for name, quality_of in baselines.items() for m, v in quality_of.items()}
     rows: list[Row] = []
     for spec in args.models:
@@ -279,15 +323,49 @@ def run(args: argparse.Namespace) -> list[Row]:
             print(f"skipping {spec!r}: it is not prepared (`kvshard model prepare` merges the shipped "
                   "adapters; `kvshard model merge ADAPTER` merges your own)")
             continue
-        row = evaluate_model(path, dataset, orders, args.seed)
+        row = evaluate_model(path, dataset, orders, args.seed, retrieved=retrieved)
         row.update(expected, **sample, targets_met=meets_targets(row))
         rows.append(row)
     print(f"{sample_line(len(requests), args.candidates, args.history, sample['permutations'], 'users')}, "
           f"seed {args.seed}, {sample['split']}")
     print(format_table(rows, args.candidates, sample["permutations"], baselines))
+    if stage is not None:
+        print(format_retrieval_table(rows, expected))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
+
+
+def retrieval_fields(stage: Sequence[RetrievedRequest], candidates: int) -> dict[str, float | int]:
+    """The retrieval stage's fields of every row: its recall@K (``retrieval_recall``, and how many targets
+    it retrieved), its own order's HR@1/HR@5/NDCG@10 over all requests (a miss scores 0) and over the
+    retrieved ones, and a random reranking's expectation of both (``random_*``: recall × the random
+    expectation for ``candidates``; ``random_retrieved_*``: that expectation)."""
+    hits = recall(stage)
+    fields: dict[str, float | int] = {"retrieval_recall": hits, "retrieval_retrieved": sum(r.retrieved for r in stage)}
+    chance = random_quality(candidates)
+    found = [quality_or_miss(r.retrieval_rank) for r in stage if r.retrieved]
+    for m in QUALITY_METRICS:
+        fields[f"retrieval_order_{m}"] = (statistics.fmean(quality_or_miss(r.retrieval_rank)[m] for r in stage)
+                                          if stage else 0.0)
+        fields[f"retrieval_order_retrieved_{m}"] = statistics.fmean(q[m] for q in found) if found else 0.0
+        fields[f"random_{m}"] = hits * chance[m]
+        fields[f"random_retrieved_{m}"] = chance[m]
+    return fields
+
+
+def format_retrieval_table(rows: Sequence[Row], stage: Mapping[str, float | int]) -> str:
+    """Each model beside the retrieval order and a random reranking, over all requests (a missed target
+    scores 0) and over the requests whose target was retrieved — with the stage's recall in the title."""
+    headers = ["ranking", "ndcg10 (all)", "hr1 (all)", "ndcg10 (retrieved)", "hr1 (retrieved)"]
+    cells = [[row["model"], f"{row['ndcg10']:.3f}", f"{row['hr1']:.3f}", f"{row['retrieved_ndcg10']:.3f}",
+              f"{row['retrieved_hr1']:.3f}"] for row in rows]
+    for name, prefix in ((BASELINE_NAMES["retrieval_order"], "retrieval_order_"), ("random", "random_")):
+        cells.append([name, f"{stage[prefix + 'ndcg10']:.3f}", f"{stage[prefix + 'hr1']:.3f}",
+                      f"{stage[prefix + 'retrieved_ndcg10']:.3f}", f"{stage[prefix + 'retrieved_hr1']:.3f}"])
+    title = (f"retrieval-stage candidates: recall@K {stage['retrieval_recall']:.3f} "
+             f"({stage['retrieval_retrieved']} targets retrieved); a missed target scores 0 in 'all'")
+    return title + "\n" + format_cells(headers, cells)
 
 
 def format_table(rows: Sequence[Row], candidates: int, orders: int,
@@ -301,6 +379,8 @@ def format_table(rows: Sequence[Row], candidates: int, orders: int,
         cells.append([BASELINE_NAMES[name], f"{baseline['hr1']:.3f}", "-", f"{baseline['hr5']:.3f}",
                       f"{baseline['ndcg10']:.3f}", "1.00", "-", "-"])
     expected = random_quality(candidates)
+    if rows and rows[0].get("candidate_set") == "retrieval":  # a random reranking of what was retrieved
+        expected = {m: float(rows[0][f"random_{m}"]) for m in QUALITY_METRICS}
     cells.append(["random", f"{expected['hr1']:.3f}", "-", f"{expected['hr5']:.3f}", f"{expected['ndcg10']:.3f}",
                   f"{1 / candidates ** (orders - 1):.4f}", f"~{1 / candidates:.2f}", "-"])
     return format_cells(headers, cells)
