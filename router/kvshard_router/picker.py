@@ -91,8 +91,7 @@ class Picker:
         if snapshot is None:
             return Refusal(503, "placement", "no placement loaded yet; the router follows etcd", retry_after=True)
         if only is not None:
-            allowed = set(only)
-            snapshot = snapshot.with_health({p: False for p in snapshot.pods if p not in allowed})
+            snapshot = snapshot.restricted_to(only)
         if self.timings is None:
             started = time.perf_counter()
             decision = decide(self.policy, route, snapshot, self.load)

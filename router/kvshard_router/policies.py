@@ -306,15 +306,19 @@ class AffinityPolicy:
             score = -cast(BacklogView, load).cost(snapshot, score, request_tokens(request, snapshot))
         else:
             score = score - self.load_penalty_tokens * load.inflight(snapshot)
-        score[~snapshot.healthy] = -np.inf
+        if len(snapshot.healthy_indices) < len(snapshot.pods):  # usually none is down: skip two array ops
+            score[~snapshot.healthy] = -np.inf
         return score
 
     def choose(self, request: RouteRequest, snapshot: Snapshot, load: LoadView, *, clusters: IntArray | None = None,
                held: FloatArray | None = None) -> str | None:
         """argmax of :meth:`scores`, ties → least loaded, then in turn (so equal replicas share the
         traffic instead of the first one taking it all). Vectorised over all pods: a dozen numpy calls
-        beat a Python loop over the request's clusters from ~10 candidates up. ``clusters``/``held``: as
-        for :meth:`scores`."""
+        beat a Python loop over the request's clusters from ~10 candidates up. A sparse choice (only the
+        ~40 holders of a 20-candidate request priced in Python, the dense one deciding when a pod holding
+        nothing might tie) gave the same pods but measured no faster at 1,000 pods (p50 79–81 vs 72–74 µs,
+        ``decision_time(10_000_000, 1000, 20)``, 2026-12-05): per-pod Python costs what numpy's per-call
+        overhead does. ``clusters``/``held``: as for :meth:`scores`."""
         if not len(snapshot.healthy_indices):
             return None
         score = self.scores(request, snapshot, load, clusters=clusters, held=held)

@@ -109,16 +109,22 @@ class RecentBlocks:
         found = [(k, pods) for k, item in enumerate(items) if (pods := pods_of.get(item))]
         if not found:
             return None
-        out = np.zeros(len(snapshot.pods), dtype=np.float64)
-        tk = np.broadcast_to(np.asarray(tokens, dtype=np.float64), (len(items),))
+        # summed in Python floats and written once: a numpy scalar ``out[j] += …`` per pod costs more
+        # than the decision's whole-array operations (the same additions in the same order: same sums)
+        tk: list[float] = np.broadcast_to(np.asarray(tokens, dtype=np.float64), (len(items),)).tolist()
+        cl: list[int] = clusters.tolist()
+        sums: dict[int, float] = {}
         placed, known = self._placed(snapshot), snapshot.clusters
         for k, pods in found:
-            cluster = int(clusters[k])
+            cluster = cl[k]
             holding = placed[cluster] if 0 <= cluster < known else frozenset()
             for pod in pods:
                 j = index.get(pod)
                 if j is not None and j not in holding:
-                    out[j] += tk[k]
+                    sums[j] = sums.get(j, 0.0) + tk[k]
+        out = np.zeros(len(snapshot.pods), dtype=np.float64)
+        if sums:
+            out[list(sums)] = list(sums.values())
         return out
 
     def _drop(self, item: str, pod: str) -> None:

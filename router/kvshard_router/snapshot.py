@@ -260,6 +260,15 @@ class Snapshot:
                 mask[j] = ok
         return dataclasses.replace(self, healthy=mask, healthy_indices=np.flatnonzero(mask).astype(np.int32))
 
+    def restricted_to(self, pods: Iterable[str]) -> Snapshot:
+        """The same snapshot with every pod outside ``pods`` unhealthy (the GIE subset hint): what
+        ``with_health({p: False for p not in pods})`` gives, in a few array operations instead of a
+        Python pass over every pod — per request at a thousand pods that pass cost more than the decision."""
+        mask = np.zeros(len(self.pods), dtype=np.bool_)
+        mask[[j for p in pods if (j := self.pod_index.get(p)) is not None]] = True
+        mask &= self.healthy
+        return dataclasses.replace(self, healthy=mask, healthy_indices=np.flatnonzero(mask).astype(np.int32))
+
 
 def _csr(rows: Sequence[Sequence[int]]) -> tuple[Int32Array, Int32Array]:
     lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
