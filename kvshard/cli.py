@@ -58,6 +58,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "recommender": ("kvshard_bench.recommender",
                     "recommendation quality of the base and fine-tuned models on held-out users' last items: "
                     "HR@1/5, NDCG@10 vs random, position consistency, label share"),
+    "synthetic-catalog": ("kvshard_bench.synthetic_catalog",
+                          "write a synthetic catalog in the generic format (made-up item names, latent groups "
+                          "users move within, Zipf popularity) to train and bench a recommender on"),
 }
 
 
@@ -170,6 +173,10 @@ def _add_demo_command(sub: Any) -> None:
     demo.add_argument("--burst-timeout", type=float, default=150.0,
                       help="longest the burst waits for a rebalance, seconds (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="trace seed (default: %(default)s)")
+    demo.add_argument("--candidate-set", choices=("retrieval", "neighbours"), default="retrieval",
+                      help="session requests' candidates: the retrieval stage's items (item-kNN over training users "
+                           "plus popular items; held-out users' sessions; the target only where retrieved) or the "
+                           "target plus embedding neighbours (default: %(default)s)")
     demo.add_argument("--fidelity-target", type=int, default=90, metavar="PERCENT",
                       help="spec.fidelity.targetAgreementPercent set on the CacheShard; the summary and the PNG "
                            "show the ratio the guard keeps in force (0: no target; default: %(default)s)")
@@ -235,11 +242,17 @@ def _add_component_commands(sub: Any) -> None:
         "sidecar's disk tier. Pair it with `kvshard sidecar serve --engine vllm --disk-dir <the same folder>`.")
     importlib.import_module("kvshard_sidecar.main").add_vllm_arguments(vllm)
     vllm.set_defaults(handler=_lazy("kvshard_sidecar.main", "vllm"))
-    _add_component(
+    router = _add_component(
         sub, "router", "the stateless request router in front of the pods",
         "The kvshard router: follows placement in etcd and sends each request to the pod holding most of its blocks.",
         verb="serve", verb_help="route /v1/recommend to the pods by placement; /v1/placement, /metrics, health checks",
         env="ROUTER", arguments="kvshard_router.settings", handler=("kvshard_router.main", "serve"))
+    epp_help = ("pick pods for a Gateway API Inference Extension gateway: Envoy ext_proc gRPC on --epp-port (GIE "
+                "endpoint picker protocol v1.0.0), the same choices as serve; /healthz, /readyz, /metrics on --port")
+    epp = router.add_parser("epp", help=epp_help, description=f"{epp_help[0].upper()}{epp_help[1:]}. Every flag can "
+                            "also be set by its KVSHARD_ROUTER_* environment variable; flags win.")
+    importlib.import_module("kvshard_router.settings").add_arguments(epp)
+    epp.set_defaults(handler=_lazy("kvshard_router.main", "epp"))
     _add_component(
         sub, "operator", "the control plane (kopf operator for CacheShard)",
         "The kvshard operator: places item clusters onto pods and publishes placement to etcd.",

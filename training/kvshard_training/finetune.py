@@ -31,9 +31,13 @@ the model's choice depends on the items:
 Throughput on a CPU decides what fits in an hour, so only the answer position's logits are computed
 (the decoder's last hidden state through ``lm_head``, not the 49,152-wide head on every position),
 LoRA can be limited to the upper layers (autograd then never records the lower ones), and the run
-stops at a wall-clock budget. The output folder gets ``adapter_model.safetensors``,
-``adapter_config.json``, ``provenance.json`` and the loss curve (JSON after every step, PNG at each
-validation); :mod:`kvshard_training.merge` merges it into a prepared model folder.
+stops at a wall-clock budget. On a GPU (``--device auto|cuda``) the same loop runs there, the base in
+bfloat16 under autocast as on the CPU, and ``--batch N`` scores N isolated or late examples per forward
+pass (:func:`batched_isolated_scores`: their block masks padded into one, the same losses as one by one);
+on the CPU one example at a time stays the default, and its numbers are unchanged. The output folder
+gets ``adapter_model.safetensors``, ``adapter_config.json``, ``provenance.json`` and the loss curve (JSON
+after every step, PNG at each validation); :mod:`kvshard_training.merge` merges it into a prepared model
+folder.
 """
 
 from __future__ import annotations
@@ -41,12 +45,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import platform
 import random
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +66,10 @@ from kvshard.ranking import QUALITY_METRICS, best_index, quality
 from kvshard.segments import SegmentKind
 from kvshard.splits import UserSplit, training_requests, validation_requests
 from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
-from kvshard_sidecar.engine.model import default_model_path, load_model
+from kvshard_sidecar.engine.model import UnsupportedModelError, default_model_path, load_model
 from kvshard_training.lora import lineage_seconds, lora_model, save_adapter, warm_start
 from kvshard_training.merge import ADAPTER_WEIGHTS
+from kvshard_training.model_teacher import ScorerTeacher, mixed_distribution
 from kvshard_training.report import (
     PROVENANCE_FILE,
     LossCurve,
@@ -123,6 +129,16 @@ class Example:
     @property
     def orders(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device: str | torch.device) -> Example:
+        """The same example with its tensors on ``device`` (itself when they are there already)."""
+        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
+        if self.input_ids.device == torch.device(device):
+            return self
+        return Example(self.input_ids.to(device), self.label_ids.to(device), self.targets.to(device),
+                       self.alignment.to(device), move(self.soft), move(self.label_positions), self.isolated)
 
 
 def label_positions(built: RecommendationPrompt) -> list[int]:
@@ -200,8 +216,7 @@ def example_loss(causal_lm: Any, example: Example, settings: FinetuneSettings, r
     """One training example's loss under ``settings``: the isolated scores' cross-entropy, or the answer's
     label loss plus the optional pointwise and order-agreement terms."""
     if example.isolated:
-        return mixed_cross_entropy(order_scores(causal_lm, example, readout), example.targets, example.soft,
-                                   settings.teacher_weight)
+        return isolated_loss(order_scores(causal_lm, example, readout), example, settings)
     logits, scores = answer_and_label_logits(causal_lm, example.input_ids,
                                              example.label_positions if settings.pointwise > 0 else None, readout)
     loss = label_loss(logits, example.label_ids, example.targets, example.soft, settings.teacher_weight)
@@ -211,6 +226,59 @@ def example_loss(causal_lm: Any, example: Example, settings: FinetuneSettings, r
     if example.orders > 1:
         loss = loss + settings.consistency * order_disagreement(logits, example.label_ids, example.alignment)
     return loss
+
+
+def isolated_loss(scores: torch.Tensor, example: Example, settings: FinetuneSettings) -> torch.Tensor:
+    """An isolated or late example's loss from its orders' scores [P, K]: the mixed cross-entropy."""
+    return mixed_cross_entropy(scores, example.targets, example.soft, settings.teacher_weight)
+
+
+def batch_losses(causal_lm: Any, examples: Sequence[Example], settings: FinetuneSettings,
+                 readout: int) -> list[torch.Tensor]:
+    """Each example's :func:`example_loss`, from one forward pass over all of them when there are several
+    (isolated or late examples: :func:`batched_isolated_scores`); one example takes today's path unchanged."""
+    if len(examples) == 1:
+        return [example_loss(causal_lm, examples[0], settings, readout)]
+    if not all(e.isolated for e in examples):
+        raise ValueError("only isolated or late examples are scored in batches (--batch needs --scorer isolated "
+                         "or late)")
+    scores = batched_isolated_scores(causal_lm, [inputs for e in examples for inputs in e.isolated], readout)
+    losses, start = [], 0
+    for example in examples:
+        losses.append(isolated_loss(torch.stack(scores[start:start + example.orders]), example, settings))
+        start += example.orders
+    return losses
+
+
+def batched_isolated_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int) -> list[torch.Tensor]:
+    """:func:`~kvshard_sidecar.engine.isolated_scorer.isolated_scores` of several prompts in one forward pass:
+    [K] each, equal to one pass per prompt up to float rounding.
+
+    Why it is exact: each prompt's block mask (:meth:`IsolatedInputs.mask_and_positions`) is copied into a
+    [N, 1, T, T] mask padded with ``False``, so no real token reads a pad and every real row's softmax is
+    the unpadded one; a pad row reads only itself (an all-``False`` row would make the softmax 0/0, and
+    its NaN would reach the gradients through the shared weights). Pads are token 0 at position 0."""
+    length = max(len(p.token_ids) for p in prompts)
+    ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    mask = torch.zeros(len(prompts), 1, length, length, dtype=torch.bool)
+    positions = torch.zeros(len(prompts), length, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        own_mask, own_positions = prompt.mask_and_positions()
+        size = len(prompt.token_ids)
+        ids[row, :size] = torch.tensor(prompt.token_ids, dtype=torch.long)
+        mask[row, :, :size, :size] = own_mask[0]
+        positions[row, :size] = own_positions[0]
+        pads = torch.arange(size, length)
+        mask[row, 0, pads, pads] = True
+    device = causal_lm.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
+        hidden = causal_lm.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 position_ids=positions.to(device), use_cache=False).last_hidden_state
+    rows = torch.tensor([row for row, p in enumerate(prompts) for _ in p.readouts], device=device)
+    columns = torch.tensor([column for p in prompts for column in p.readouts], device=device)
+    logits = hidden[rows, columns].float() @ causal_lm.lm_head.weight.float().T
+    scores: torch.Tensor = torch.log_softmax(logits, dim=-1)[:, readout]
+    return list(torch.split(scores, [len(p.readouts) for p in prompts]))
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1, time_used: float = 0.0) -> float:
@@ -329,17 +397,48 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
                         teacher_record)
 
 
+def check_tokenizer(tokenizer: Any, folder: Path, settings: FinetuneSettings) -> None:
+    """Refuse, naming the folder, a base whose tokenizer cannot carry kvshard's prompt — before the data are
+    built, rather than as a transformers error from inside the prompt builder.
+
+    Any Llama-family folder loads (:func:`~kvshard_sidecar.engine.model.load_model`), but kvshard's prompt is
+    a chat (a system turn, then the user's history and candidates), so the tokenizer needs a chat template:
+    a base model's tokenizer often has none. The isolated and late scorers read one vocabulary row
+    (:func:`~kvshard_sidecar.engine.isolated_scorer.readout_id`, ``" yes"``), which must be one token."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UnsupportedModelError(f"{folder}: its tokenizer has no chat template, and kvshard's prompt is a chat "
+                                    "(system turn, user turn): use an instruct model's folder, or add its "
+                                    "chat_template.jinja to the folder")
+    if settings.scorer != "answer":
+        try:
+            readout_id(tokenizer)
+        except ValueError as error:
+            raise UnsupportedModelError(f"{folder}: {error} in this tokenizer; --scorer {settings.scorer} reads "
+                                        "that one vocabulary row (use --scorer answer)") from None
+
+
+def taught(example: Example, teacher: ScorerTeacher, settings: FinetuneSettings) -> Example:
+    """``example`` with its soft target mixed from item-kNN's (if any) and ``teacher``'s scores
+    (:func:`~kvshard_training.model_teacher.mixed_distribution`)."""
+    scores = teacher.scores(example.isolated, example.alignment).to(example.targets.device)
+    return replace(example, soft=mixed_distribution(example.soft, scores, settings.teacher_model_weight,
+                                                    settings.teacher_temperature))
+
+
 def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     """Train, validate, write the adapter, the loss curve and the provenance into ``settings.out``."""
     torch.set_num_threads(settings.threads)
+    device = settings.resolved_device()
     out = settings.out or default_output()
     out.mkdir(parents=True, exist_ok=True)
     base_folder = settings.model or default_model_path()
-    loaded = load_model(base_folder, dtype=settings.precision)
+    loaded = load_model(base_folder, dtype=settings.precision, device=device)
     base = {"name": loaded.identity.name, "revision": loaded.identity.revision,
             "tokenizer": loaded.identity.tokenizer}
+    check_tokenizer(loaded.tokenizer, base_folder, settings)
     data = training_data(settings, loaded.tokenizer)
-    examples = data.examples
+    data.examples = examples = [e.to(device) for e in data.examples]
+    data.validation = [e.to(device) for e in data.validation]
     steps = math.ceil(len(examples) / settings.accumulation)
     log.info("%d training examples (%d steps × %d), %d validation prompts, ~%.0f tokens per prompt",
              len(examples), steps, settings.accumulation, len(data.validation),
@@ -350,6 +449,11 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     if settings.init_adapter is not None:
         data.init_adapter = warm_start(peft_model, settings.init_adapter, base_folder)
     causal_lm = peft_model.get_base_model()
+    scorer_teacher = None
+    if settings.teacher_model is not None:
+        scorer_teacher = ScorerTeacher(settings.teacher_model, settings.precision, device)
+        scorer_teacher.check_base(base["tokenizer"])
+        data.teacher = {**data.teacher, "scorer": scorer_teacher.describe(settings.teacher_model_weight)}
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
     curve = LossCurve()
@@ -368,11 +472,13 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
         for group in optimizer.param_groups:
             group["lr"] = settings.lr * lr_factor(step, settings.warmup, steps, time_used=time_used)
         batch = examples[step * settings.accumulation:(step + 1) * settings.accumulation]
+        if scorer_teacher is not None:
+            batch = [taught(example, scorer_teacher, settings) for example in batch]
         step_loss = 0.0
-        for example in batch:
-            loss = example_loss(causal_lm, example, settings, readout)
-            torch.autograd.backward(loss / len(batch))
-            step_loss += float(loss.detach()) / len(batch)
+        for start in range(0, len(batch), settings.batch):
+            losses = batch_losses(causal_lm, batch[start:start + settings.batch], settings, readout)
+            torch.autograd.backward(torch.stack(losses).sum() / len(batch))
+            step_loss += sum(float(loss.detach()) for loss in losses) / len(batch)
         if settings.clip > 0:
             torch.nn.utils.clip_grad_norm_(trainable, settings.clip)
         optimizer.step()
@@ -391,7 +497,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     if last is None or last["step"] != done_steps:
         last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
     save_adapter(peft_model, out, base["name"])
-    write_provenance(out, settings, base, data, curve, done_steps, done_examples, elapsed, last)
+    write_provenance(out, settings, base, data, curve, done_steps, done_examples, elapsed, last, device)
     log.info("adapter, curve and provenance written to %s (%.1f min)", out, elapsed / 60)
     return FinetuneResult(out, done_steps, done_examples, elapsed, last)
 
@@ -413,7 +519,7 @@ def _validate(peft_model: Any, causal_lm: Any, validation: Sequence[Example], cu
 
 def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str], data: TrainingData,
                      curve: LossCurve, steps: int, examples: int, elapsed: float,
-                     validation: dict[str, float]) -> None:
+                     validation: dict[str, float], device: str = "cpu") -> None:
     """``provenance.json``: how the adapter was made, and the base it must be merged into."""
     settings_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}
     record = {
@@ -433,7 +539,9 @@ def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str]
         "training_seconds": round(elapsed, 1),
         "lineage_training_seconds": round(lineage_seconds(elapsed, data.init_adapter), 1),
         "seconds_per_example": round(elapsed / max(1, examples), 3),
+        "examples_per_second": round(examples / max(elapsed, 1e-9), 3),
         "threads": settings.threads,
+        "device": device_record(device, settings.batch),
         "versions": library_versions(),
         "loss_curve": {"json": "loss_curve.json", "png": "loss_curve.png",
                        "first_ema": curve.steps[0].loss_ema if curve.steps else None,
@@ -443,6 +551,14 @@ def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str]
                                "`kvshard bench recommender` reports held-out users' last interactions"},
     }
     write_json_atomic(out / PROVENANCE_FILE, record)
+
+
+def device_record(device: str, batch: int) -> dict[str, object]:
+    """Where the run trained: the device kind, its name (the GPU's, or the CPU's where the platform says), and
+    the examples per forward pass — what an examples/s figure needs beside it to be read."""
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") \
+        else platform.processor() or platform.machine()
+    return {"kind": device, "name": name, "batch": batch}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -103,7 +103,8 @@ def save_adapter(peft_model: Any, folder: Path, base_name: str) -> None:
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    # .cpu(): a run on a GPU saves the same file as one on the CPU (a no-op there)
+    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
     save_file(state, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = peft_model.peft_config["default"].to_dict()
     config["base_model_name_or_path"] = base_name

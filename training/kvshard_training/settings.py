@@ -22,6 +22,7 @@ from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT
 
 ENV_PREFIX = "KVSHARD_FINETUNE_"
 PRECISIONS = ("bfloat16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -62,6 +63,11 @@ class FinetuneSettings:
     teacher_weight: float = setting(0.5, "share of the teacher's distribution in the training target "
                                          "(the rest is the held-out item's one-hot)")
     teacher_temperature: float = setting(1.0, "softmax temperature over the teacher's z-scored candidate scores")
+    teacher_model: Path | None = setting(None, "--scorer isolated|late only: a merged scorer model folder, or "
+                                               "'scorer' (the prepared isolated scorer), whose order-free candidate "
+                                               "scores join the teacher: z(item-kNN) + --teacher-model-weight · "
+                                               "z(scorer), computed in the training loop (inside --minutes)")
+    teacher_model_weight: float = setting(1.0, "weight of --teacher-model's z-scores beside item-kNN's (weight 1)")
     consistency: float = setting(0.0, "weight of the order-agreement term: > 0 trains every request under two "
                                       "candidate orders at once (twice the compute per request) and adds this "
                                       "weight × the symmetric KL between their per-item distributions; 0 (the "
@@ -90,6 +96,12 @@ class FinetuneSettings:
                                               "adapter; provenance records its hash")
     seed: int = setting(0, "seed of the data sampling, candidate shuffles and LoRA initialisation")
     threads: int = setting(2, "torch threads")
+    device: str = setting("auto", "where to train: 'auto' (cuda when torch sees a GPU, else cpu), 'cpu', or 'cuda' "
+                                  "(refused without one); the base, the adapters and the examples' tensors go there")
+    batch: int = setting(1, "examples per forward pass within each optimizer step's --accumulation (--scorer "
+                            "isolated or late: the examples' block masks padded into one batched mask); 1 (the "
+                            "default) = one example at a time, what a CPU does best; a GPU wants --accumulation "
+                            "and --batch 16 or more")
     precision: str = setting("bfloat16", "'bfloat16': the frozen base weights in bfloat16 and its matmuls under "
                                          "autocast, the adapters and optimizer in float32 (1.8x faster on CPUs "
                                          "with AMX or AVX512-BF16, and on GPUs); 'float32': everything in float32")
@@ -98,7 +110,7 @@ class FinetuneSettings:
     def validate(self) -> None:
         if not 1 <= self.rank <= 16:
             raise settings_lib.SettingsError("--rank must be in 1..16 (the adapter ships in the repository)")
-        for name in ("history", "steps", "accumulation", "threads"):
+        for name in ("history", "steps", "accumulation", "threads", "batch"):
             if getattr(self, name) < 1:
                 raise settings_lib.SettingsError(f"--{name} must be at least 1")
         if self.candidates < 2:
@@ -126,8 +138,25 @@ class FinetuneSettings:
                                              "(its ranking does not depend on the order; it has no answer position)")
         if self.interaction < 0 or (self.interaction and self.scorer != "late"):
             raise settings_lib.SettingsError("--interaction must be at least 0, and above 0 only with --scorer late")
+        if self.device not in DEVICES:
+            raise settings_lib.SettingsError(f"--device must be one of {', '.join(DEVICES)}")
+        if self.batch > self.accumulation:
+            raise settings_lib.SettingsError(f"--batch {self.batch} is more than --accumulation {self.accumulation}: "
+                                             "a forward pass holds at most one optimizer step's examples")
+        if self.batch > 1 and self.scorer == "answer":
+            raise settings_lib.SettingsError("--batch above 1 needs --scorer isolated or late (the answer scorer "
+                                             "reads the last position of prompts of different lengths)")
+        if self.teacher_model is not None and (self.scorer == "answer" or self.teacher_model_weight <= 0):
+            raise settings_lib.SettingsError("--teacher-model needs --scorer isolated or late (its scores are per "
+                                             "candidate) and a positive --teacher-model-weight")
         if self.minutes <= 0 or self.lr <= 0:
             raise settings_lib.SettingsError("--minutes and --lr must be positive")
+
+    def resolved_device(self) -> str:
+        """The device to train on: :func:`resolve_device` of ``--device`` on this machine (imports torch)."""
+        import torch
+
+        return resolve_device(self.device, torch.cuda.is_available())
 
     def interaction_of_scorer(self) -> int | None:
         """:attr:`IsolatedInputs.interaction` for this scorer (``None``: every item token reads the prefix)."""
@@ -137,11 +166,23 @@ class FinetuneSettings:
         """The ``kvshard model finetune`` command line that reproduces these settings."""
         words = ["kvshard", "model", "finetune"]
         for name, value in vars(self).items():
-            if name in ("out", "model", "init_adapter") and value is None:
+            if name in ("out", "model", "init_adapter", "teacher_model") and value is None:
                 continue
             shown = ",".join(value) if isinstance(value, tuple) else str(value)
             words += [f"--{name.replace('_', '-')}", shown]
         return " ".join(words)
+
+
+def resolve_device(requested: str, cuda_available: bool) -> str:
+    """``auto`` → ``cuda`` where CUDA is available, else ``cpu``; ``cuda`` without CUDA is refused here, with
+    the reason, rather than later as a torch error from deep inside the model's ``.to()``."""
+    if requested == "auto":
+        return "cuda" if cuda_available else "cpu"
+    if requested == "cuda" and not cuda_available:
+        raise settings_lib.SettingsError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() "
+                                         "is False: no GPU, no driver, or a CPU-only torch build); use --device "
+                                         "auto or cpu")
+    return requested
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
