@@ -160,16 +160,23 @@ async def readyz(request: web.Request) -> web.StreamResponse:
     return web.json_response({"status": "ready", "generation": snapshot.generation, "healthy_pods": healthy})
 
 
+def add_status_routes(app: web.Application,
+                      ready: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
+    """What both front ends serve besides their requests: ``/v1/placement``, ``/metrics``, ``/healthz``
+    and ``ready`` as ``/readyz`` (each front end says itself when it is ready)."""
+    app.router.add_get("/v1/placement", placement)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", ready)
+
+
 def build_app(settings: RouterSettings, store: EtcdStore | None) -> web.Application:
     """The aiohttp application; ``store`` (not yet connected) is followed for placement."""
     app = web.Application(middlewares=[errors_as_json], client_max_size=MAX_BODY_BYTES)
     router_app = RouterApp(settings, store)
     app[ROUTER_APP] = router_app
     app.router.add_post("/v1/recommend", recommend)
-    app.router.add_get("/v1/placement", placement)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    add_status_routes(app, readyz)
 
     async def start(_: web.Application) -> None:
         await router_app.start()

@@ -49,7 +49,7 @@ from google.protobuf import struct_pb2
 
 from kvshard.etcd_store import EtcdStore
 from kvshard.request_errors import error_body
-from kvshard_router.app import ROUTER_APP, RouterApp, errors_as_json, healthz, metrics, placement
+from kvshard_router.app import ROUTER_APP, RouterApp, add_status_routes, errors_as_json
 from kvshard_router.metrics import NO_POD, status_class
 from kvshard_router.picker import Pick, Picker, Refusal
 from kvshard_router.settings import RouterSettings
@@ -324,10 +324,7 @@ def build_epp_app(settings: RouterSettings, store: EtcdStore | None) -> web.Appl
     app = web.Application(middlewares=[errors_as_json])
     router_app = RouterApp(settings, store)
     app[ROUTER_APP] = router_app
-    app.router.add_get("/v1/placement", placement)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    add_status_routes(app, readyz)
 
     async def start(app: web.Application) -> None:
         await router_app.start()

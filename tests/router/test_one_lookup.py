@@ -10,7 +10,7 @@ included) and ext_proc — and :func:`decide`'s reuse of a lookup across snapsho
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import aiohttp
 import pytest
@@ -41,16 +41,6 @@ def lookups(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
     monkeypatch.setattr(ItemIndex, "lookup", counted)
     yield calls
-
-
-@pytest.fixture
-async def pods() -> AsyncIterator[tuple[FakePod, FakePod]]:
-    a, b = FakePod("a"), FakePod("b")
-    await a.start()
-    await b.start()
-    yield a, b
-    await a.stop()
-    await b.stop()
 
 
 def http_router(state: RouterState, session: aiohttp.ClientSession) -> Router:

@@ -184,16 +184,6 @@ def test_repeated_reconnect_warnings_are_kept_to_one_a_minute() -> None:
 
 
 @pytest.fixture
-async def pods() -> AsyncIterator[tuple[FakePod, FakePod]]:
-    a, b = FakePod("a"), FakePod("b")
-    await a.start()
-    await b.start()
-    yield a, b
-    await a.stop()
-    await b.stop()
-
-
-@pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as client:
         yield client
