@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import platform
 import random
 import sys
 import time
@@ -65,7 +64,12 @@ from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt,
 from kvshard.ranking import QUALITY_METRICS, best_index, quality
 from kvshard.segments import SegmentKind
 from kvshard.splits import UserSplit, training_requests, validation_requests
-from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, isolated_scores, readout_id
+from kvshard_sidecar.engine.isolated_scorer import (
+    IsolatedInputs,
+    batched_isolated_scores,
+    isolated_scores,
+    readout_id,
+)
 from kvshard_sidecar.engine.model import UnsupportedModelError, default_model_path, load_model
 from kvshard_training.lora import lineage_seconds, lora_model, save_adapter, warm_start
 from kvshard_training.merge import ADAPTER_WEIGHTS
@@ -74,6 +78,7 @@ from kvshard_training.report import (
     PROVENANCE_FILE,
     LossCurve,
     StepRecord,
+    device_record,
     library_versions,
     sha256_file,
     write_json_atomic,
@@ -248,37 +253,6 @@ def batch_losses(causal_lm: Any, examples: Sequence[Example], settings: Finetune
         losses.append(isolated_loss(torch.stack(scores[start:start + example.orders]), example, settings))
         start += example.orders
     return losses
-
-
-def batched_isolated_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int) -> list[torch.Tensor]:
-    """:func:`~kvshard_sidecar.engine.isolated_scorer.isolated_scores` of several prompts in one forward pass:
-    [K] each, equal to one pass per prompt up to float rounding.
-
-    Why it is exact: each prompt's block mask (:meth:`IsolatedInputs.mask_and_positions`) is copied into a
-    [N, 1, T, T] mask padded with ``False``, so no real token reads a pad and every real row's softmax is
-    the unpadded one; a pad row reads only itself (an all-``False`` row would make the softmax 0/0, and
-    its NaN would reach the gradients through the shared weights). Pads are token 0 at position 0."""
-    length = max(len(p.token_ids) for p in prompts)
-    ids = torch.zeros(len(prompts), length, dtype=torch.long)
-    mask = torch.zeros(len(prompts), 1, length, length, dtype=torch.bool)
-    positions = torch.zeros(len(prompts), length, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        own_mask, own_positions = prompt.mask_and_positions()
-        size = len(prompt.token_ids)
-        ids[row, :size] = torch.tensor(prompt.token_ids, dtype=torch.long)
-        mask[row, :, :size, :size] = own_mask[0]
-        positions[row, :size] = own_positions[0]
-        pads = torch.arange(size, length)
-        mask[row, 0, pads, pads] = True
-    device = causal_lm.device
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
-        hidden = causal_lm.model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 position_ids=positions.to(device), use_cache=False).last_hidden_state
-    rows = torch.tensor([row for row, p in enumerate(prompts) for _ in p.readouts], device=device)
-    columns = torch.tensor([column for p in prompts for column in p.readouts], device=device)
-    logits = hidden[rows, columns].float() @ causal_lm.lm_head.weight.float().T
-    scores: torch.Tensor = torch.log_softmax(logits, dim=-1)[:, readout]
-    return list(torch.split(scores, [len(p.readouts) for p in prompts]))
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1, time_used: float = 0.0) -> float:
@@ -551,14 +525,6 @@ def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str]
                                "`kvshard bench recommender` reports held-out users' last interactions"},
     }
     write_json_atomic(out / PROVENANCE_FILE, record)
-
-
-def device_record(device: str, batch: int) -> dict[str, object]:
-    """Where the run trained: the device kind, its name (the GPU's, or the CPU's where the platform says), and
-    the examples per forward pass — what an examples/s figure needs beside it to be read."""
-    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") \
-        else platform.processor() or platform.machine()
-    return {"kind": device, "name": name, "batch": batch}
 
 
 def run(args: argparse.Namespace) -> int:

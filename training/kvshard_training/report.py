@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,3 +102,15 @@ def library_versions() -> dict[str, str]:
     import transformers
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+
+
+def device_record(device: str, batch: int) -> dict[str, object]:
+    """Where the run trained: the device kind, its name (the GPU's, or the CPU's where the platform says), and
+    the examples per forward pass — what an examples/s figure needs beside it to be read."""
+    if device.startswith("cuda"):
+        import torch  # only a CUDA run asks, and it has torch loaded already
+
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = platform.processor() or platform.machine()
+    return {"kind": device, "name": name, "batch": batch}

@@ -177,7 +177,42 @@ def isolated_scores(causal_lm: Any, inputs: IsolatedInputs, readout: int) -> tor
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
         hidden = causal_lm.model(input_ids=ids, attention_mask=mask.to(ids.device),
                                  position_ids=positions.to(ids.device), use_cache=False).last_hidden_state
-    at = hidden[0, list(inputs.readouts)].float()
-    logits = at @ causal_lm.lm_head.weight.float().T
+    return readout_scores(causal_lm, hidden[0, list(inputs.readouts)], readout)
+
+
+def readout_scores(causal_lm: Any, at: torch.Tensor, readout: int) -> torch.Tensor:
+    """``log P(readout)`` from the last hidden states ``at`` [N, hidden] at the label openings, [N] in
+    float32: the head and the log-softmax run in float32 whatever the model's dtype."""
+    logits = at.float() @ causal_lm.lm_head.weight.float().T
     scores: torch.Tensor = torch.log_softmax(logits, dim=-1)[:, readout]
     return scores
+
+
+def batched_isolated_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int) -> list[torch.Tensor]:
+    """:func:`isolated_scores` of several prompts in one forward pass:
+    [K] each, equal to one pass per prompt up to float rounding.
+
+    Why it is exact: each prompt's block mask (:meth:`IsolatedInputs.mask_and_positions`) is copied into a
+    [N, 1, T, T] mask padded with ``False``, so no real token reads a pad and every real row's softmax is
+    the unpadded one; a pad row reads only itself (an all-``False`` row would make the softmax 0/0, and
+    its NaN would reach the gradients through the shared weights). Pads are token 0 at position 0."""
+    length = max(len(p.token_ids) for p in prompts)
+    ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    mask = torch.zeros(len(prompts), 1, length, length, dtype=torch.bool)
+    positions = torch.zeros(len(prompts), length, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        own_mask, own_positions = prompt.mask_and_positions()
+        size = len(prompt.token_ids)
+        ids[row, :size] = torch.tensor(prompt.token_ids, dtype=torch.long)
+        mask[row, :, :size, :size] = own_mask[0]
+        positions[row, :size] = own_positions[0]
+        pads = torch.arange(size, length)
+        mask[row, 0, pads, pads] = True
+    device = causal_lm.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
+        hidden = causal_lm.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 position_ids=positions.to(device), use_cache=False).last_hidden_state
+    rows = torch.tensor([row for row, p in enumerate(prompts) for _ in p.readouts], device=device)
+    columns = torch.tensor([column for p in prompts for column in p.readouts], device=device)
+    scores = readout_scores(causal_lm, hidden[rows, columns], readout)
+    return list(torch.split(scores, [len(p.readouts) for p in prompts]))
