@@ -50,6 +50,7 @@ import asyncio
 import gc
 import json
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -112,8 +113,8 @@ def decision_time(
     both: the one item lookup, the policy's choice and the chosen pod's cached tokens
     (:func:`~kvshard_router.decision.decide`), wall clock and thread CPU time. ``http`` calls the picker
     as the HTTP router does (nothing is forwarded, so its backlog stays as set up); ``epp`` is the real
-    ext_proc server on loopback gRPC, played by an Envoy client in the same process, which also times
-    each request's messages end to end (headers and body out, the two answers back). On a shared
+    ext_proc server on loopback gRPC, played by an Envoy client in a process of its own (as Envoy is),
+    which also times each request's messages end to end (headers and body out, the two answers back). On a shared
     machine a neighbour's burst can stall one round, so the reported p99 is the median of the rounds'
     p99s; the worst round and the pooled p99 are beside it."""
     rng = np.random.default_rng(seed)
@@ -168,27 +169,23 @@ def _bench_picker(snapshot: Snapshot, backlogged: list[tuple[str, int]], request
 
 
 async def _through_ext_proc(picker: Picker, n: int, per_round: int) -> FloatArray:
-    """Route requests ``0 … n-1`` through the ext_proc server on loopback, one stream each as Envoy
-    opens them; returns each request phase's end-to-end nanoseconds."""
+    """Route requests ``0 … n-1`` through the ext_proc server on loopback, Envoy played from a process of
+    its own (:mod:`kvshard_bench.envoy_player`), one stream per request as Envoy opens them; returns each
+    request phase's end-to-end nanoseconds."""
     from kvshard_router import epp
 
     port = _free_port()
     server = await epp.start_grpc(picker, "127.0.0.1", port)
-    envoy = epp.EnvoyClient(f"127.0.0.1:{port}")
-    took = np.empty(n)
     try:
-        for k in range(n):
-            if k % per_round == 0:
-                gc.collect()
-            started = time.perf_counter_ns()
-            stream, answers = await envoy.request(b"%d" % k)
-            took[k] = time.perf_counter_ns() - started
-            assert epp.destination(answers) is not None, answers
-            await envoy.finish(stream, 200)
+        player = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvshard_bench.envoy_player", f"127.0.0.1:{port}", str(n), str(per_round),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await player.communicate()
     finally:
-        await envoy.close()
         await server.stop(grace=None)
-    return took
+    if player.returncode:
+        raise RuntimeError(f"the Envoy player failed ({player.returncode}): {err.decode()[-2000:]}")
+    return np.array(json.loads(out), dtype=np.float64)
 
 
 def _free_port() -> int:

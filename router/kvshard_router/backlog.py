@@ -19,7 +19,7 @@ and follows each pod's progress:
 * a pod with nothing in flight has no backlog.
 
 The affinity router then sends a request where it is expected to be done first: the least
-``backlog + work there`` (:meth:`Backlog.cost`), both in token equivalents, so a cached token is worth
+``backlog + work there`` (:meth:`Backlog.pricing`), both in token equivalents, so a cached token is worth
 exactly the prefill it saves and a queued token exactly the wait it causes.
 
 Measured (``kvshard bench routing``, README "Traffic-learned placement"). Weighing the request's work
@@ -36,7 +36,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvshard_router.policies import LoadTable
+from kvshard_router import kernels
+from kvshard_router.policies import LoadTable, LoadTerms, Pricing
 from kvshard_router.snapshot import FloatArray, Snapshot
 
 
@@ -68,6 +69,11 @@ class Backlog(LoadTable):
         self._gather_for: tuple[str, ...] | None = None
         self._gather = np.zeros(0, dtype=np.int64)
         self._in_order = False
+        self._views: tuple[FloatArray, FloatArray, FloatArray] | None = None
+
+    def _busy(self, pod: str) -> bool:
+        j = self._slots.get(pod)
+        return super()._busy(pod) or (j is not None and self._backlog[j] != 0.0)
 
     def work(self, cached_tokens: float, total_tokens: float) -> float:
         """One request's work in token equivalents, ``cached_tokens`` of its ``total_tokens`` cached."""
@@ -81,6 +87,7 @@ class Backlog(LoadTable):
                 grow = max(8, 2 * len(self._backlog))
                 for name in ("_backlog", "_at", "_busy_since", "_done", "_rate"):
                     setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
+                self._views = None  # they looked into the arrays just replaced
         return j
 
     def _drain(self, j: int, now: float, busy: bool) -> None:
@@ -122,9 +129,12 @@ class Backlog(LoadTable):
             self._gather = np.array([self._slot(p) for p in pods], dtype=np.int64)
             self._gather_for = pods
             self._in_order = bool(np.array_equal(self._gather, np.arange(len(pods))))
-        if self._in_order:  # slots were made in the snapshot's order: slices are views, no gather
-            n = len(pods)
-            return self._backlog[:n], self._rate[:n], self._at[:n]
+            self._views = None
+        if self._in_order:  # slots were made in the snapshot's order: views, made once, no gather
+            if self._views is None:
+                n = len(pods)
+                self._views = self._backlog[:n], self._rate[:n], self._at[:n]
+            return self._views
         g = self._gather
         return self._backlog[g], self._rate[g], self._at[g]
 
@@ -132,15 +142,22 @@ class Backlog(LoadTable):
         """Each snapshot pod's backlog now, in token equivalents (0 for a pod with nothing in flight:
         its backlog is reset when its last answer comes)."""
         backlog, rate, at = self._columns(snapshot)
-        out: FloatArray = np.maximum(0.0, backlog - rate * (self.clock() - at))
+        out: FloatArray = kernels.backlog_cost(backlog, rate, at, self.clock(), 0.0, 0.0, kernels.NOTHING)
         return out
 
-    def cost(self, snapshot: Snapshot, cached_tokens: FloatArray, total_tokens: float) -> FloatArray:
-        """When a request of ``total_tokens`` would be done on each pod, ``cached_tokens`` of them held
-        there, in token equivalents: the pod's backlog (the request's wait) plus its work there."""
-        work = self.work(0.0, total_tokens) - (1.0 - self.cached_cost) * cached_tokens
-        out: FloatArray = self.outstanding(snapshot) + work
-        return out
+    def decision_terms(self, snapshot: Snapshot, total_tokens: float) -> LoadTerms:
+        """:meth:`LoadTable.decision_terms` with this backlog's :meth:`pricing` (inlined: it runs per decision)."""
+        inflight = self.inflight(snapshot)
+        views = self._views if snapshot.pods is self._gather_for and self._views else self._columns(snapshot)
+        return (self._active[: len(self._active_at)], inflight, *views, self.clock(), self.work(0.0, total_tokens),
+                1.0 - self.cached_cost)
+
+    def pricing(self, snapshot: Snapshot, total_tokens: float) -> Pricing:
+        """How a request of ``total_tokens`` is priced on each pod: its backlog now plus its work there,
+        cached tokens at their blending cost (:class:`~kvshard_router.policies.Pricing`; the affinity
+        policy's compiled decision computes the cost from it)."""
+        backlog, rate, at = self._columns(snapshot)
+        return Pricing(backlog, rate, at, self.clock(), self.work(0.0, total_tokens), 1.0 - self.cached_cost)
 
     def rate(self, pod: str) -> float | None:
         """The pod's learned rate (token equivalents per clock unit), None before its first answer."""

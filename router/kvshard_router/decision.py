@@ -4,8 +4,9 @@ Looking a request's candidates up in the snapshot's item index is the most expen
 decision at 10 M items, and the router used to do it four times per request: in the policy's choice,
 for the chosen pod's cached-token count (the work the backlog adds), for the per-cluster metrics and
 co-request counts, and when the answer came (the affinity policy's recently-served blocks). Here it is
-done once: :class:`Lookup` carries the candidates' clusters, :class:`Decision` the per-pod cached
-tokens computed from them, and everything after the choice reads those.
+done once — for the affinity policy inside its compiled decision (:mod:`kvshard_router.kernels`), which
+hands the clusters back: :class:`Lookup` carries them, :class:`Decision` the chosen pod's cached tokens,
+and everything after the choice reads those.
 
 A lookup stays valid for any snapshot that shares its item index (health, warm-set and
 assignment-only generations reuse the index), so a retry on a newer snapshot reuses it too; a
@@ -26,21 +27,17 @@ from kvshard_router.policies import (
     cached_tokens,
     request_tokens,
 )
-from kvshard_router.snapshot import FloatArray, IntArray, ItemIndex, Snapshot
+from kvshard_router.snapshot import IntArray, ItemIndex, Snapshot
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)  # not frozen: a frozen __init__ costs ~0.3 µs a field, per decision
 class Lookup:
-    """A request's candidates looked up once in one item index (the request's only lookup)."""
+    """A request's candidates looked up once in one item index (the request's only lookup; never mutated)."""
 
     request: RouteRequest
     index: ItemIndex
     clusters: IntArray
     """Cluster of each candidate in prompt order, −1 for an item the placement does not know."""
-
-    @classmethod
-    def of(cls, request: RouteRequest, snapshot: Snapshot) -> Lookup:
-        return cls(request, snapshot.items, snapshot.clusters_of(request.items))
 
     def valid_for(self, snapshot: Snapshot) -> bool:
         """Whether ``snapshot`` maps items exactly as the index this lookup used (same index object)."""
@@ -52,36 +49,34 @@ class Lookup:
         return [int(c) for c in np.unique(found[found >= 0])]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)  # not frozen, as Lookup
 class Decision:
-    """The outcome of one decision: the pod (None: no eligible pod) and what it was computed from."""
+    """The outcome of one decision: the pod (None: no eligible pod) and what it was computed from (never
+    mutated)."""
 
     pod: str | None
     snapshot: Snapshot
     lookup: Lookup
-    held: FloatArray
-    """Per snapshot pod: tokens of the request's blocks it holds by placement (history included when
-    replicated everywhere) — the policy's cache term and the chosen pod's work estimate."""
+    cached: float
+    """Tokens of the request ``pod`` holds by placement (history included when replicated everywhere):
+    its work estimate's cached share; 0 without a pod."""
     total_tokens: int
-
-    def cached_on(self, pod: str) -> float:
-        """Tokens of the request the pod holds by placement (0 for a pod outside the snapshot)."""
-        j = self.snapshot.pod_index.get(pod)
-        return float(self.held[j]) if j is not None else 0.0
 
 
 def decide(policy: RoutingPolicy, request: RouteRequest, snapshot: Snapshot, load: LoadView,
            lookup: Lookup | None = None) -> Decision:
     """Choose a pod for ``request`` on ``snapshot``; ``lookup`` (an earlier decision's, e.g. before a
     retry) is reused when it is still valid for ``snapshot``, so the items are looked up at most once."""
-    if lookup is None or not lookup.valid_for(snapshot):
-        lookup = Lookup.of(request, snapshot)
-    held = cached_tokens(request, snapshot, lookup.clusters)
-    if isinstance(policy, AffinityPolicy):
-        pod = policy.choose(request, snapshot, load, clusters=lookup.clusters, held=held)
+    known = lookup.clusters if lookup is not None and lookup.valid_for(snapshot) else None
+    if isinstance(policy, AffinityPolicy):  # it looks the items up inside its compiled decision
+        pod, cached, clusters = policy.decide(request, snapshot, load, known)
     else:
+        clusters = known if known is not None else snapshot.clusters_of(request.items)
         pod = policy.choose(request, snapshot, load)
-    return Decision(pod, snapshot, lookup, held, request_tokens(request, snapshot))
+        cached = 0.0 if pod is None else float(cached_tokens(request, snapshot, clusters)[snapshot.pod_index[pod]])
+    if lookup is None or known is None:
+        lookup = Lookup(request, snapshot.items, clusters)
+    return Decision(pod, snapshot, lookup, cached, request_tokens(request, snapshot))
 
 
 def record_served(policy: RoutingPolicy, pod: str, lookup: Lookup, snapshot: Snapshot) -> None:

@@ -114,7 +114,7 @@ class Picker:
 
     def _pick(self, route: RouteRequest, decision: Decision, clusters: list[int]) -> Pick:
         assert decision.pod is not None
-        work = self.load.work(decision.cached_on(decision.pod), decision.total_tokens)
+        work = self.load.work(decision.cached, decision.total_tokens)
         return Pick(route, decision, decision.pod, work, clusters)
 
     def again(self, first: Pick, snapshot: Snapshot) -> Pick | None:

@@ -28,13 +28,14 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
+from kvshard_router import kernels
 from kvshard_router.recent import RecentBlocks
-from kvshard_router.snapshot import FloatArray, IntArray, Snapshot
+from kvshard_router.snapshot import FloatArray, IntArray, Snapshot, item_token_array
 
 
 class UnknownPolicyError(KeyError):
@@ -67,12 +68,32 @@ class LoadView(Protocol):
     def inflight(self, snapshot: Snapshot) -> FloatArray: ...
 
 
+class Pricing(NamedTuple):
+    """What a :class:`BacklogView` prices a request from, per snapshot pod: cost(p) = max(0, backlog(p) −
+    rate(p) × (now − at(p))) + fixed_work − cached_saving × cached tokens(p)."""
+
+    backlog: FloatArray
+    rate: FloatArray
+    at: FloatArray
+    now: float
+    fixed_work: float
+    cached_saving: float
+
+
+NO_PRICING = Pricing(kernels.NOTHING, kernels.NOTHING, kernels.NOTHING, 0.0, 0.0, 0.0)
+"""A load without a backlog (the affinity score subtracts λ × in-flight instead)."""
+
+LoadTerms = tuple[IntArray, FloatArray, FloatArray, FloatArray, FloatArray, float, float, float]
+"""What the affinity decision reads of a load: the active pods, the in-flight counts, then a
+:class:`Pricing`'s fields (flat: one tuple built per request)."""
+
+
 class BacklogView(Protocol):
     """Per-pod load that also prices a request: the router's :class:`~kvshard_router.backlog.Backlog`."""
 
     def inflight(self, snapshot: Snapshot) -> FloatArray: ...
 
-    def cost(self, snapshot: Snapshot, cached_tokens: FloatArray, total_tokens: float) -> FloatArray: ...
+    def pricing(self, snapshot: Snapshot, total_tokens: float) -> Pricing: ...
 
 
 class LoadTable:
@@ -87,20 +108,52 @@ class LoadTable:
         self._pods: tuple[str, ...] | None = None
         self._array: FloatArray = np.zeros(0, dtype=np.float64)
         self._index: dict[str, int] = {}
+        self._active_at: dict[int, int] = {}
+        """Pod index → its position in ``_active``: the pods with requests in flight or work queued, a
+        list kept in place (added at the end, removed by moving the last one into the gap)."""
+        self._active = np.zeros(0, dtype=np.int64)
 
     def inflight(self, snapshot: Snapshot) -> FloatArray:
         if snapshot.pods is not self._pods:
             self._pods = snapshot.pods
             self._index = dict(snapshot.pod_index) or {p: j for j, p in enumerate(snapshot.pods)}
             self._array = np.array([self._counts.get(p, 0.0) for p in snapshot.pods], dtype=np.float64)
+            active = [j for j, p in enumerate(snapshot.pods) if self._busy(p)]
+            self._active = np.zeros(len(snapshot.pods) + 1, dtype=np.int64)
+            self._active[: len(active)] = active
+            self._active_at = {j: k for k, j in enumerate(active)}
         return self._array
+
+    def active(self, snapshot: Snapshot) -> IntArray:
+        """Indices (in ``snapshot``'s pod order) of the pods with requests in flight or work queued; every
+        other pod has none of either (what lets a decision skip them: :func:`kvshard_router.kernels.choose`)."""
+        self.inflight(snapshot)
+        return self._active[: len(self._active_at)]
+
+    def decision_terms(self, snapshot: Snapshot, total_tokens: float) -> LoadTerms:
+        """What the affinity decision reads of the load, in one call: :meth:`active`, :meth:`inflight` and
+        the pricing of a request of ``total_tokens`` (here :data:`NO_PRICING`: in-flight requests only)."""
+        inflight = self.inflight(snapshot)
+        return self._active[: len(self._active_at)], inflight, *NO_PRICING
+
+    def _busy(self, pod: str) -> bool:
+        return self._counts.get(pod, 0.0) != 0.0
 
     def set(self, pod: str, value: float) -> None:
         """Overwrite a pod's load (e.g. from a queue-depth gauge)."""
         self._counts[pod] = value
         j = self._index.get(pod)
-        if j is not None:
-            self._array[j] = value
+        if j is None:
+            return
+        self._array[j] = value
+        at, listed = self._active_at, self._active
+        if self._busy(pod):
+            if j not in at:
+                at[j] = len(at)
+                listed[at[j]] = j
+        elif (k := at.pop(j, None)) is not None and k < len(at):  # move the last one into the gap
+            last = int(listed[len(at)])
+            listed[k], at[last] = last, k
 
     def get(self, pod: str) -> float:
         return self._counts.get(pod, 0.0)
@@ -165,10 +218,25 @@ def cached_tokens(request: RouteRequest, snapshot: Snapshot, clusters: IntArray 
     clusters when the caller has looked them up already."""
     if clusters is None:
         clusters = snapshot.clusters_of(request.items)
-    held = snapshot.cached_tokens(clusters, _item_tokens(request, snapshot))
-    if snapshot.history_everywhere:
-        held += request.history_tokens
-    return held
+    history = request.history_tokens if snapshot.history_everywhere else 0
+    return snapshot.cached_tokens(clusters, _item_tokens(request, snapshot), history)
+
+
+def _pricing(request: RouteRequest, snapshot: Snapshot, load: LoadView) -> Pricing:
+    """The load's pricing of ``request`` (:data:`NO_PRICING` for a load without a backlog)."""
+    if hasattr(load, "pricing"):  # the router's Backlog (isinstance on a Protocol costs ~9 µs)
+        return cast(BacklogView, load).pricing(snapshot, request_tokens(request, snapshot))
+    return NO_PRICING
+
+
+def _load_terms(request: RouteRequest, snapshot: Snapshot, load: LoadView) -> LoadTerms:
+    """What :meth:`LoadTable.decision_terms` gives, for another load: the pods with requests in flight
+    as the active ones (every pod when it prices a backlog it does not list), its in-flight counts and
+    pricing."""
+    inflight, pricing = load.inflight(snapshot), _pricing(request, snapshot, load)
+    active = (np.arange(len(inflight), dtype=np.int64) if pricing is not NO_PRICING
+              else np.flatnonzero(inflight).astype(np.int64))
+    return active, inflight, *pricing
 
 
 def _least_loaded(candidates: npt.NDArray[np.int32] | npt.NDArray[np.int64], load: FloatArray) -> int:
@@ -289,6 +357,8 @@ class AffinityPolicy:
         self.recent = RecentBlocks(recent_blocks_per_pod) if recent_blocks_per_pod > 0 else None
         """Blocks each pod answered outside its placement (counted as cached there)."""
         self._turn = 0
+        self._scratch = np.zeros(0, dtype=np.int32)
+        """Pod → slot map the compiled decision borrows (all −1 between decisions)."""
 
     def scores(self, request: RouteRequest, snapshot: Snapshot, load: LoadView, *, clusters: IntArray | None = None,
                held: FloatArray | None = None) -> FloatArray:
@@ -297,38 +367,49 @@ class AffinityPolicy:
         one (:mod:`kvshard_router.decision`); ``held`` is not modified."""
         if clusters is None:
             clusters = snapshot.clusters_of(request.items)
-        score = cached_tokens(request, snapshot, clusters) if held is None else held
-        if self.recent is not None:
-            recent = self.recent.credit(request.items, clusters, _item_tokens(request, snapshot), snapshot)
-            if recent is not None:
-                score = score + recent
-        if hasattr(load, "cost"):  # the router's Backlog (isinstance on a Protocol costs ~9 µs)
-            score = -cast(BacklogView, load).cost(snapshot, score, request_tokens(request, snapshot))
-        else:
-            score = score - self.load_penalty_tokens * load.inflight(snapshot)
-        if len(snapshot.healthy_indices) < len(snapshot.pods):  # usually none is down: skip two array ops
-            score[~snapshot.healthy] = -np.inf
+        if held is None:
+            held = cached_tokens(request, snapshot, clusters)
+        credit = (None if self.recent is None
+                  else self.recent.credit(request.items, clusters, _item_tokens(request, snapshot), snapshot))
+        score: FloatArray = kernels.affinity_scores(
+            held, kernels.NOTHING if credit is None else credit, snapshot.healthy, load.inflight(snapshot),
+            self.load_penalty_tokens, *_pricing(request, snapshot, load))
         return score
 
-    def choose(self, request: RouteRequest, snapshot: Snapshot, load: LoadView, *, clusters: IntArray | None = None,
-               held: FloatArray | None = None) -> str | None:
-        """argmax of :meth:`scores`, ties → least loaded, then in turn (so equal replicas share the
-        traffic instead of the first one taking it all). Vectorised over all pods: a dozen numpy calls
-        beat a Python loop over the request's clusters from ~10 candidates up. A sparse choice (only the
-        ~40 holders of a 20-candidate request priced in Python, the dense one deciding when a pod holding
-        nothing might tie) gave the same pods but measured no faster at 1,000 pods (p50 79–81 vs 72–74 µs,
-        ``decision_time(10_000_000, 1000, 20)``, 2026-12-05): per-pod Python costs what numpy's per-call
-        overhead does. ``clusters``/``held``: as for :meth:`scores`."""
-        if not len(snapshot.healthy_indices):
-            return None
-        score = self.scores(request, snapshot, load, clusters=clusters, held=held)
-        best = float(score.max())
-        tied = np.flatnonzero(score >= best - 1e-9 * max(1.0, abs(best)))
-        if len(tied) > 1:
-            loads = load.inflight(snapshot)[tied]
-            tied = tied[loads == loads.min()]
-            self._turn += 1
-        return snapshot.pods[int(tied[self._turn % len(tied)])]
+    def decide(self, request: RouteRequest, snapshot: Snapshot, load: LoadView,
+               clusters: IntArray | None = None) -> tuple[str | None, float, IntArray]:
+        """:meth:`choose`, the tokens of the request the chosen pod holds by placement (:func:`cached_tokens`
+        of it, 0 without a pod) and the candidates' clusters, in one compiled call
+        (:func:`kvshard_router.kernels.look_up_and_choose`: the lookup, the pricing of the pods the request
+        can tell apart, and the choice). ``clusters``: the candidates' clusters when the caller looked them
+        up already (:func:`kvshard_router.kernels.choose` then, without a second lookup)."""
+        # Straight-line on purpose: between two requests the CPU's caches have moved on to other work, and
+        # each further Python call here costs about a microsecond of the decision (docs/gateway-api.md).
+        items = request.items
+        sent = None if self.recent is None else self.recent.sent(items, snapshot)
+        terms = getattr(load, "decision_terms", None)
+        active, inflight, *pricing = (terms(snapshot, request_tokens(request, snapshot)) if terms is not None
+                                      else _load_terms(request, snapshot, load))
+        if len(self._scratch) != len(snapshot.pods):
+            self._scratch = np.full(len(snapshot.pods), -1, dtype=np.int32)
+        scoring = (item_token_array(_item_tokens(request, snapshot), len(items)), snapshot.indptr, snapshot.holders,
+                   float(request.history_tokens if snapshot.history_everywhere else 0),
+                   *(sent or (kernels.NO_ENTRIES, kernels.NO_ENTRIES)), snapshot.healthy,
+                   len(snapshot.healthy_indices), active, inflight, self.load_penalty_tokens, *pricing,
+                   self._scratch, self._turn)
+        if clusters is None and snapshot.items.exact_by_probe:
+            chosen, self._turn, held, clusters = kernels.look_up_and_choose(*snapshot.items.probe(request.items),
+                                                                            *scoring)
+        else:
+            if clusters is None:
+                clusters = snapshot.clusters_of(request.items)
+            chosen, self._turn, held = kernels.choose(clusters, *scoring)
+        return (snapshot.pods[chosen] if chosen >= 0 else None), held, clusters
+
+    def choose(self, request: RouteRequest, snapshot: Snapshot, load: LoadView) -> str | None:
+        """argmax of :meth:`scores`, ties (within 1e-9 relative) → least loaded, then in turn (so equal
+        replicas share the traffic instead of the first one taking it all)."""
+        return self.decide(request, snapshot, load)[0]
 
     def served(self, pod: str, request: RouteRequest, snapshot: Snapshot, *, clusters: IntArray | None = None) -> None:
         """``pod`` answered ``request``: it now holds the request's blocks (kept off the decision's

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvshard_router.snapshot import FloatArray, Int32Array, IntArray, Snapshot
+from kvshard_router import kernels
+from kvshard_router.snapshot import FloatArray, Int32Array, IntArray, Snapshot, item_token_array
 
 
 class RecentBlocks:
@@ -103,29 +104,33 @@ class RecentBlocks:
                snapshot: Snapshot) -> FloatArray | None:
         """:meth:`held_tokens`, or None when no pod was sent any of ``items`` lately (the usual case at
         a large catalog: the caller then skips an array of zeros and an addition per decision)."""
+        sent = self.sent(items, snapshot)
+        if sent is None:
+            return None
+        credit: FloatArray = kernels.recent_credit(
+            np.asarray(clusters, dtype=np.int64), item_token_array(tokens, len(items)), snapshot.indptr,
+            snapshot.holders, len(snapshot.pods), *sent)
+        return credit
+
+    def sent(self, items: Sequence[str], snapshot: Snapshot) -> tuple[IntArray, IntArray] | None:
+        """Which of ``items`` (positions) went to which snapshot pods lately, as parallel arrays in item
+        order, or None for none: what :func:`kvshard_router.kernels.recent_credit` counts (it leaves out
+        the pods that hold an item's cluster by placement)."""
         if not self._pods_of:
             return None
-        pods_of, index = self._pods_of, snapshot.pod_index
-        found = [(k, pods) for k, item in enumerate(items) if (pods := pods_of.get(item))]
-        if not found:
+        sent = list(map(self._pods_of.get, items))  # C-speed dict probes: most items were sent nowhere
+        if not any(sent):
             return None
-        # summed in Python floats and written once: a numpy scalar ``out[j] += …`` per pod costs more
-        # than the decision's whole-array operations (the same additions in the same order: same sums)
-        tk: list[float] = np.broadcast_to(np.asarray(tokens, dtype=np.float64), (len(items),)).tolist()
-        cl: list[int] = clusters.tolist()
-        sums: dict[int, float] = {}
-        placed, known = self._placed(snapshot), snapshot.clusters
-        for k, pods in found:
-            cluster = cl[k]
-            holding = placed[cluster] if 0 <= cluster < known else frozenset()
-            for pod in pods:
+        self._placed(snapshot)  # keeps the lists in step with the snapshot's pods and placement
+        index = snapshot.pod_index
+        positions, pods = [], []
+        for k, names in enumerate(sent):
+            for pod in names or ():
                 j = index.get(pod)
-                if j is not None and j not in holding:
-                    sums[j] = sums.get(j, 0.0) + tk[k]
-        out = np.zeros(len(snapshot.pods), dtype=np.float64)
-        if sums:
-            out[list(sums)] = list(sums.values())
-        return out
+                if j is not None:
+                    positions.append(k)
+                    pods.append(j)
+        return np.array(positions, dtype=np.int64), np.array(pods, dtype=np.int64)
 
     def _drop(self, item: str, pod: str) -> None:
         holders = self._pods_of.get(item, ())

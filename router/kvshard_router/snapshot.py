@@ -8,7 +8,7 @@ that, so a snapshot re-packs it once per generation:
 * :class:`ItemIndex` — item id → cluster as a sorted ``uint64`` array of item-id hashes, a parallel
   ``int16``/``int32`` cluster array and a bucket directory (≈ 10.9 bytes per item: **≈ 109 MB for
   10 M items with fewer than 32,767 clusters, ≈ 129 MB otherwise**; building needs ~250 MB more for
-  a few seconds). A batch lookup is a handful of vectorised numpy calls. The hash
+  a few seconds). A batch lookup is one compiled probe (:mod:`kvshard_router.kernels`). The hash
   is Python's ``hash(str)``: salted per process, which is fine because the index never leaves the
   process (pickling is refused). Items whose hashes collide are kept exactly in a small dict; an
   *unknown* item can alias a known one only with probability ≈ n / 2⁶⁴ (≈ 5·10⁻¹³ at 10 M items), in
@@ -34,22 +34,28 @@ import numpy as np
 import numpy.typing as npt
 
 from kvshard.placement_schema import Placement, WarmReport
+from kvshard_router import kernels
+from kvshard_router.kernels import UNKNOWN, BoolArray, FloatArray, Int32Array, IntArray, UIntArray
 
-IntArray = npt.NDArray[np.int64]
-UIntArray = npt.NDArray[np.uint64]
-Int32Array = npt.NDArray[np.int32]
-FloatArray = npt.NDArray[np.float64]
-BoolArray = npt.NDArray[np.bool_]
-
-UNKNOWN = -1
-"""Cluster id returned for an item the placement does not know (a cold-start item)."""
-MAX_PADDED_HOLDERS = 8
-"""Widest holder list the dense holder matrix is built for (beyond it: the CSR gather, whose size does
-not grow with the most replicated cluster)."""
+__all__ = ["UNKNOWN", "BoolArray", "FloatArray", "Int32Array", "IntArray", "ItemIndex", "PodStatus", "Probe",
+           "Snapshot", "UIntArray", "build_snapshot", "item_token_array", "warm_from_reports"]
 
 
 def _hashes(ids: Iterable[str], count: int) -> UIntArray:
-    return np.fromiter((hash(i) for i in ids), dtype=np.int64, count=count).view(np.uint64)
+    return np.fromiter(map(hash, ids), dtype=np.int64, count=count).view(np.uint64)
+
+
+Probe = tuple[IntArray, npt.NDArray[Any], UIntArray, npt.NDArray[Any], np.uint64, int]
+"""A batch of id hashes and an :class:`ItemIndex`'s arrays: what the compiled probe takes (hashes,
+directory, keys, values, shift, width; a plain tuple, built per request)."""
+
+
+def item_token_array(tokens: npt.ArrayLike, items: int) -> FloatArray:
+    """Block sizes of ``items`` items as the kernels take them: one per item, or one for all."""
+    array = np.array(tokens, dtype=np.float64, ndmin=1)
+    if array.ndim != 1 or (len(array) != 1 and len(array) != items):
+        raise ValueError(f"{len(array)} token counts for {items} items")
+    return array
 
 
 class ItemIndex:
@@ -65,7 +71,7 @@ class ItemIndex:
     [7, -1, 3]
     """
 
-    __slots__ = ("_collisions", "_directory", "_keys", "_n", "_shift", "_values", "_window")
+    __slots__ = ("_collisions", "_directory", "_keys", "_n", "_shift", "_values", "_width")
 
     def __init__(
         self, keys: UIntArray, values: npt.NDArray[np.signedinteger[Any]], collisions: dict[str, int]
@@ -78,11 +84,13 @@ class ItemIndex:
         self._directory = np.zeros((1 << bits) + 1, dtype=np.int64 if len(keys) >= 2**31 else np.int32)
         np.cumsum(counts, out=self._directory[1:])
         width = max(1, int(counts.max(initial=0)))
-        self._window = np.arange(width, dtype=np.int64)
         # One window's worth of padding past the end, so a lookup needs no bounds clamp: the pad keys
         # (all ones) can only match a hash of all ones the index lacks, and their values say UNKNOWN.
         self._keys = np.concatenate([keys, np.full(width, np.iinfo(np.uint64).max, dtype=np.uint64)])
         self._values = np.concatenate([values, np.full(width, UNKNOWN, dtype=values.dtype)])
+        self._width = width
+        # compiles the probe for these arrays' dtypes now, not on a request's path
+        kernels.warm_index(self._directory, self._keys, self._values, self._shift, width)
 
     @classmethod
     def from_mapping(cls, item_clusters: Mapping[str, int]) -> ItemIndex:
@@ -125,26 +133,33 @@ class ItemIndex:
     @property
     def nbytes(self) -> int:
         """Bytes held by the index arrays (the dict of collisions is almost always empty)."""
-        arrays = (self._keys, self._values, self._directory, self._window)
+        arrays = (self._keys, self._values, self._directory)
         return sum(int(a.nbytes) for a in arrays) + 100 * len(self._collisions)
 
     def lookup(self, ids: Sequence[str]) -> IntArray:
         """Cluster of each id, :data:`UNKNOWN` (−1) for ids not in the placement."""
-        if self._n and len(ids):
-            # a dozen numpy calls whatever the batch: their per-call overhead is the cost at 20 ids
-            h = _hashes(ids, len(ids))
-            start = self._directory[h >> self._shift]
-            match = self._keys[start[:, None] + self._window] == h[:, None]
-            cluster = self._values[start + match.argmax(axis=1)]
-            out: IntArray = np.where(match.any(axis=1), cluster, np.int64(UNKNOWN))  # int64 like the else
-        else:
-            out = np.full(len(ids), UNKNOWN, dtype=np.int64)
+        out: IntArray = kernels.probe(*self.probe(ids))
         if self._collisions:
-            for j, item in enumerate(ids):
-                cluster = self._collisions.get(item)
-                if cluster is not None:
-                    out[j] = cluster
+            self.resolve_collisions(ids, out)
         return out
+
+    def probe(self, ids: Sequence[str]) -> Probe:
+        """The compiled probe's arguments for ``ids`` (:func:`kvshard_router.kernels.probe`): every lookup
+        goes through here, whether :meth:`lookup` or a decision that probes inside its own kernel."""
+        hashes = np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))
+        return hashes, self._directory, self._keys, self._values, self._shift, self._width
+
+    @property
+    def exact_by_probe(self) -> bool:
+        """Whether the probe alone gives every cluster (no two ids share a hash: the usual case)."""
+        return not self._collisions
+
+    def resolve_collisions(self, ids: Sequence[str], clusters: IntArray) -> None:
+        """Set the clusters of ``ids`` whose hashes collide (kept by id, outside the arrays) in place."""
+        for j, item in enumerate(ids):
+            cluster = self._collisions.get(item)
+            if cluster is not None:
+                clusters[j] = cluster
 
     def get(self, item: str) -> int | None:
         """One item's cluster, or None."""
@@ -200,11 +215,6 @@ class Snapshot:
     default_item_tokens: int = 16
     pod_index: Mapping[str, int] = dataclasses.field(default_factory=dict)
     healthy_indices: Int32Array = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    padded: Int32Array | None = None
-    """The holders as a dense (clusters + 1) × H matrix padded with ``len(pods)`` (a pod that does not
-    exist), last row all padding; None when some cluster has more than :data:`MAX_PADDED_HOLDERS`.
-    It turns :meth:`cached_tokens` into one gather and one ``bincount`` (numpy's per-call overhead,
-    not arithmetic, is what a 20-candidate decision spends its time on)."""
 
     @property
     def clusters(self) -> int:
@@ -226,30 +236,14 @@ class Snapshot:
             return ()
         return tuple(self.pods[j] for j in self.holders[self.indptr[cluster] : self.indptr[cluster + 1]])
 
-    def cached_tokens(self, clusters: IntArray, tokens: npt.ArrayLike) -> FloatArray:
-        """Per pod: Σ ``tokens[j]`` over items ``j`` whose cluster the pod holds (item blocks only);
-        ``clusters`` as :meth:`clusters_of` gives them (−1 for unknown, never below)."""
-        tk = np.asarray(tokens, dtype=np.float64)
-        padded = self.padded
-        if padded is not None:
-            # unknown (−1, what a lookup gives) and out-of-range clusters both land on the all-padding
-            # last row (index −1 and index ``clusters`` are the same row)
-            rows = padded[np.minimum(clusters, self.clusters)]
-            weights = np.repeat(tk if tk.shape == clusters.shape else np.broadcast_to(tk, clusters.shape),
-                                padded.shape[1])
-            credit = np.bincount(rows.ravel(), weights=weights, minlength=len(self.pods) + 1)[:-1]
-            return credit.astype(np.float64, copy=False)
-        known = (clusters >= 0) & (clusters < self.clusters)
-        cl, tk = clusters[known], tk[known] if tk.ndim else np.full(int(known.sum()), float(tk))
-        starts = self.indptr[cl].astype(np.int64)
-        lens = self.indptr[cl + 1].astype(np.int64) - starts
-        total = int(lens.sum())
-        if total == 0:
-            return np.zeros(len(self.pods), dtype=np.float64)
-        # CSR multi-slice gather: the positions starts[j] .. starts[j]+lens[j]-1 for every j, flat.
-        offsets = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
-        credit = np.bincount(self.holders[offsets], weights=np.repeat(tk, lens), minlength=len(self.pods))
-        return credit.astype(np.float64, copy=False)
+    def cached_tokens(self, clusters: IntArray, tokens: npt.ArrayLike, base: float = 0.0) -> FloatArray:
+        """Per pod: ``base`` + Σ ``tokens[j]`` over items ``j`` whose cluster the pod holds (item blocks
+        only; ``tokens`` one per item or one for all); ``clusters`` as :meth:`clusters_of` gives them
+        (−1 for unknown)."""
+        clusters = np.asarray(clusters, dtype=np.int64)
+        held: FloatArray = kernels.held_tokens(clusters, item_token_array(tokens, len(clusters)), self.indptr,
+                                               self.holders, len(self.pods), float(base))
+        return held
 
     def with_health(self, health: Mapping[str, bool]) -> Snapshot:
         """The same placement with new health (pods not named keep their state); arrays are shared."""
@@ -330,14 +324,9 @@ def build_snapshot(
         else:
             holder_rows.append(assigned_rows[c])
     indptr, flat = _csr(holder_rows)
-    width = max((len(r) for r in holder_rows), default=0)
-    padded = None
-    if width <= MAX_PADDED_HOLDERS:
-        padded = np.full((n_clusters + 1, max(1, width)), len(pods), dtype=np.int32)
-        for c, row in enumerate(holder_rows):
-            padded[c, : len(row)] = row
     a_indptr, a_flat = _csr(assigned_rows)
     mask = np.array([status.get(p, default_healthy) for p in pods], dtype=np.bool_)
+    kernels.warm()  # compiled once per process, here rather than on the first request
     return Snapshot(
         generation=placement.generation,
         pods=pods,
@@ -351,5 +340,4 @@ def build_snapshot(
         default_item_tokens=default_item_tokens,
         pod_index=index,
         healthy_indices=np.flatnonzero(mask).astype(np.int32),
-        padded=padded,
     )

@@ -3,7 +3,7 @@
 Looking the candidates up in the 10 M-item index is the dearest part of a decision; the router once did
 it four times per request (the choice, the chosen pod's cached tokens, the per-cluster metrics, the
 affinity policy's record of what the pod now holds). These tests count the real
-:meth:`ItemIndex.lookup` calls of whole requests — HTTP (forwarded to real loopback pods, a fail-over
+:meth:`ItemIndex.probe` calls of whole requests — HTTP (forwarded to real loopback pods, a fail-over
 included) and ext_proc — and :func:`decide`'s reuse of a lookup across snapshots.
 """
 
@@ -19,11 +19,11 @@ from test_epp import A_BODY, Envoy, picker_for, respond, world
 
 from kvshard.placement_schema import Placement, WarmReport
 from kvshard_local.testing_servers import free_port
-from kvshard_router.decision import Lookup, decide
+from kvshard_router.decision import decide
 from kvshard_router.epp import destination, start_grpc
 from kvshard_router.policies import AffinityPolicy, LoadTable, RouteRequest
 from kvshard_router.service import Router
-from kvshard_router.snapshot import IntArray, ItemIndex
+from kvshard_router.snapshot import ItemIndex, Probe
 from kvshard_router.state import RouterState
 
 ITEMS = {**{f"a{i}": 0 for i in range(8)}, **{f"b{i}": 1 for i in range(8)}}
@@ -31,15 +31,16 @@ ITEMS = {**{f"a{i}": 0 for i in range(8)}, **{f"b{i}": 1 for i in range(8)}}
 
 @pytest.fixture
 def lookups(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Every real ``ItemIndex.lookup`` call from now on, by the number of ids looked up."""
+    """Every real probe of an item index from now on (``ItemIndex.probe``: a ``lookup``, or the affinity
+    policy's compiled decision looking the items up itself), by the number of ids looked up."""
     calls: list[int] = []
-    real = ItemIndex.lookup
+    real = ItemIndex.probe
 
-    def counted(self: ItemIndex, ids: Sequence[str]) -> IntArray:
+    def counted(self: ItemIndex, ids: Sequence[str]) -> Probe:
         calls.append(len(ids))
         return real(self, ids)
 
-    monkeypatch.setattr(ItemIndex, "lookup", counted)
+    monkeypatch.setattr(ItemIndex, "probe", counted)
     yield calls
 
 
@@ -94,10 +95,10 @@ def test_a_lookup_is_reused_while_the_item_index_is_the_same_and_redone_when_it_
     snapshot = state.snapshot
     assert snapshot is not None
     request = RouteRequest("u", ("a0", "b1", "zz"))
-    lookup = Lookup.of(request, snapshot)
-    assert lookup.clusters.tolist() == [0, 1, -1] and lookup.distinct_clusters() == [0, 1]
-    lookups.clear()
     policy = AffinityPolicy()
+    lookup = decide(policy, request, snapshot, LoadTable()).lookup
+    assert lookup.clusters.tolist() == [0, 1, -1] and lookup.distinct_clusters() == [0, 1] and lookups == [3]
+    lookups.clear()
     degraded = snapshot.with_health({"a": False})  # health, warm and assignment changes keep the index
     assert decide(policy, request, degraded, LoadTable(), lookup).lookup is lookup
     assert lookups == []
