@@ -80,20 +80,21 @@ def _recent_credit(clusters: IntArray, tokens: FloatArray, indptr: Int32Array, h
     (:class:`~kvshard_router.recent.RecentBlocks`): entry ``e`` says item ``sent_items[e]`` (a position
     in the request) went to pod ``sent_pods[e]``; it counts unless that pod holds the item's cluster."""
     credit = np.zeros(pods, dtype=np.float64)
-    known = indptr.shape[0] - 1
     same = tokens.shape[0] == 1
     for e in range(sent_items.shape[0]):
         k, j = sent_items[e], sent_pods[e]
-        c = clusters[k]
-        holding = False
-        if 0 <= c < known:
-            for q in range(indptr[c], indptr[c + 1]):
-                if holders[q] == j:
-                    holding = True
-                    break
-        if not holding:
+        if not holds(indptr, holders, clusters[k], j):
             credit[j] += tokens[0] if same else tokens[k]
     return credit
+
+
+def _holds(indptr: Int32Array, holders: Int32Array, cluster: int, pod: int) -> bool:  # pragma: no cover - compiled
+    """Whether ``pod`` is among the holders of ``cluster`` (False for an unknown or out-of-range cluster)."""
+    if 0 <= cluster < indptr.shape[0] - 1:
+        for q in range(indptr[cluster], indptr[cluster + 1]):
+            if holders[q] == pod:
+                return True
+    return False
 
 
 def _pod_cost(backlog: float, rate: float, at: float, now: float, fixed_work: float, cached_saving: float,
@@ -220,14 +221,7 @@ def _choose(clusters: IntArray, tokens: FloatArray, indptr: Int32Array, holders:
     credited = sent_items.shape[0] > 0
     for e in range(sent_items.shape[0]):
         k, p = sent_items[e], sent_pods[e]
-        c = clusters[k]
-        holding = False
-        if 0 <= c < known:
-            for q in range(indptr[c], indptr[c + 1]):
-                if holders[q] == p:
-                    holding = True
-                    break
-        if not holding:
+        if not holds(indptr, holders, clusters[k], p):
             if scratch[p] < 0:
                 scratch[p], slot_pod[slots] = slots, p
                 slots += 1
@@ -325,6 +319,7 @@ def _look_up_and_choose(hashes: IntArray, directory: Any, keys: UIntArray, value
 probe = njit(nogil=True)(_probe)
 held_tokens = njit(nogil=True)(_held_tokens)
 recent_credit = njit(nogil=True)(_recent_credit)
+holds = njit(nogil=True, inline="always")(_holds)
 pod_cost = njit(nogil=True, inline="always")(_pod_cost)
 backlog_cost = njit(nogil=True)(_backlog_cost)
 affinity_scores = njit(nogil=True)(_affinity_scores)
