@@ -12,6 +12,13 @@ benchmarks, the demo report and the tests share one definition of the ranking, o
 full prefill, and of recommendation quality (HR@k, NDCG@k and their random expectation).
 
 Ties are broken by candidate order (the prompt's order), so a ranking is deterministic.
+
+A reranker sits behind a retrieval stage that has already scored the candidates it hands over.
+:func:`fuse_scores` ranks by the model's and the stage's scores together: z-scores over the request's
+candidates, summed with a fixed weight (1 : 1 by default, chosen before any measurement). The stage's
+co-occurrence statistics and the model's reading of the items make different mistakes
+(``bench/experiments/late_scorer_ensembles.py``), and the fusion costs no model compute and leaves the
+cached KV untouched.
 """
 
 from __future__ import annotations
@@ -29,9 +36,15 @@ class RankedCandidate:
     candidate: str
     label: str
     logprob: float
+    fused: float | None = None
+    """Its :func:`fuse_scores` score when the ranking fused the retrieval stage's scores (else None)."""
 
     def as_json(self) -> dict[str, str | float]:
-        return {"candidate": self.candidate, "label": self.label, "logprob": round(self.logprob, 6)}
+        out: dict[str, str | float] = {"candidate": self.candidate, "label": self.label,
+                                       "logprob": round(self.logprob, 6)}
+        if self.fused is not None:
+            out["fused_score"] = round(self.fused, 6)
+        return out
 
 
 def label_logprobs(scores: Sequence[float]) -> list[float]:
@@ -48,15 +61,39 @@ def label_logprobs(scores: Sequence[float]) -> list[float]:
     return [s - norm if math.isfinite(s) else -math.inf for s in scores]
 
 
-def rank_candidates(candidates: Sequence[str], labels: Sequence[str], scores: Sequence[float]
-                    ) -> list[RankedCandidate]:
-    """Every candidate, best first, with its label-restricted log-probability."""
-    if not len(candidates) == len(labels) == len(scores):
+def rank_candidates(candidates: Sequence[str], labels: Sequence[str], scores: Sequence[float],
+                    fused: Sequence[float] | None = None) -> list[RankedCandidate]:
+    """Every candidate, best first, with its label-restricted log-probability; ordered by ``fused``
+    (:func:`fuse_scores`) when given, else by ``scores``."""
+    if not len(candidates) == len(labels) == len(scores) == len(fused if fused is not None else scores):
         raise ValueError(f"{len(candidates)} candidates, {len(labels)} labels and {len(scores)} scores "
                          "must be as many")
     logprobs = label_logprobs(scores)
-    order = sorted(range(len(candidates)), key=lambda i: (-scores[i], i))  # scores decide, not their rounding
-    return [RankedCandidate(candidates[i], labels[i], logprobs[i]) for i in order]
+    by = scores if fused is None else fused
+    order = sorted(range(len(candidates)), key=lambda i: (-by[i], i))  # scores decide, not their rounding
+    return [RankedCandidate(candidates[i], labels[i], logprobs[i], None if fused is None else fused[i])
+            for i in order]
+
+
+def standardized(values: Sequence[float]) -> list[float]:
+    """``values`` as z-scores over their finite members (population standard deviation); all 0 when the
+    finite ones are equal; a non-finite value (a -inf log-probability) stays -inf."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        raise ValueError("no finite score to standardize")
+    mean = math.fsum(finite) / len(finite)
+    spread = math.sqrt(math.fsum((v - mean) ** 2 for v in finite) / len(finite))
+    return [((v - mean) / spread if spread > 0 else 0.0) if math.isfinite(v) else -math.inf for v in values]
+
+
+def fuse_scores(model: Sequence[float], retrieval: Sequence[float], weight: float = 1.0) -> list[float]:
+    """``z(model) + weight · z(retrieval)`` per candidate: the reranker's scores fused with the retrieval
+    stage's (each standardized over the request's candidates, so their scales do not matter)."""
+    if len(model) != len(retrieval):
+        raise ValueError(f"{len(model)} model scores and {len(retrieval)} retrieval scores must be as many")
+    if not all(math.isfinite(r) for r in retrieval) or not math.isfinite(weight) or weight < 0:
+        raise ValueError("retrieval scores must be finite and the weight finite and at least 0")
+    return [m + weight * r for m, r in zip(standardized(model), standardized(retrieval), strict=True)]
 
 
 def best_index(scores: Sequence[float]) -> int:

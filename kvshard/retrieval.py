@@ -109,6 +109,13 @@ class RetrievalIndex:
                     scores[other] = scores.get(other, 0.0) + shared / math.sqrt(norm * self._cooc[other][other])
         return scores
 
+    def scores(self, history: Sequence[str], candidates: Sequence[str]) -> list[float]:
+        """The stage's score of each of ``candidates`` for ``history`` (:meth:`knn_scores`; 0 for an item
+        the history never co-occurs with) — what it hands the reranker beside them as
+        ``retrieval_scores`` (:func:`kvshard.ranking.fuse_scores`)."""
+        knn = self.knn_scores(history)
+        return [knn.get(item, 0.0) for item in candidates]
+
     def retrieve(self, history: Sequence[str], k: int, exclude: Collection[str] = ()) -> list[Retrieved]:
         """The ``k`` best items for ``history``, best first: the kNN neighbours (ties: the more popular,
         then natural id order), then the most popular items not yet listed. Never an item of ``history``
@@ -130,6 +137,12 @@ class RetrievalIndex:
         if len(out) < k:
             raise ValueError(f"only {len(out)} items are left to retrieve, {k} asked for")
         return out
+
+    def hard_negatives(self, history: Sequence[str], exclude: Collection[str], count: int) -> list[str]:
+        """The stage's ``count`` best items for ``history``, none of ``exclude``: the negatives a reranker
+        trained for this stage should learn to tell from the target (:func:`kvshard.splits.training_requests`
+        passes the user's whole history as ``exclude``, so the target is never among them)."""
+        return [r.item for r in self.retrieve(history, count, exclude)] if count > 0 else []
 
     def describe(self) -> dict[str, object]:
         """The stage as provenance records it."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvshard.datasets import Dataset
@@ -78,13 +78,23 @@ def _negatives(rng: random.Random, all_items: Sequence[str], seen: set[str], cou
     return chosen
 
 
+HardNegatives = Callable[[Sequence[str], Collection[str], int], list[str]]
+"""``(history shown, items to exclude, count) -> negatives``: a retrieval stage's items for a history
+(:meth:`kvshard.retrieval.RetrievalIndex.hard_negatives`), none of them excluded."""
+
+
 def _request(rng: random.Random, dataset: Dataset, all_items: Sequence[str], user: str, position: int,
-             history: int, candidates: int) -> RecommendationRequest:
+             history: int, candidates: int, hard: HardNegatives | None = None,
+             hard_count: int = 0) -> RecommendationRequest:
     items = dataset.histories[user]
     target = items[position]
-    pool = [target, *_negatives(rng, all_items, set(items), candidates - 1)]
+    shown = tuple(items[position - history:position])
+    seen = set(items)
+    negatives = hard(shown, seen, hard_count) if hard is not None and hard_count > 0 else []
+    negatives += _negatives(rng, all_items, seen | set(negatives), candidates - 1 - len(negatives))
+    pool = [target, *negatives]
     rng.shuffle(pool)
-    return RecommendationRequest(user, tuple(items[position - history:position]), tuple(pool), target)
+    return RecommendationRequest(user, shown, tuple(pool), target)
 
 
 def _check(history: int, candidates: int) -> None:
@@ -108,15 +118,27 @@ def training_positions(dataset: Dataset, users: Iterable[str], history: int, win
 
 
 def training_requests(dataset: Dataset, users: Sequence[str], history: int, candidates: int, count: int,
-                      seed: int = 0, window: int = 0) -> list[RecommendationRequest]:
+                      seed: int = 0, window: int = 0, hard: HardNegatives | None = None,
+                      hard_share: float = 0.0) -> list[RecommendationRequest]:
     """``count`` seeded training requests drawn without replacement from :func:`training_positions`
-    (fewer if there are fewer positions), in a seeded random order."""
+    (fewer if there are fewer positions), in a seeded random order.
+
+    Negatives are unseen items drawn uniformly, except that with ``hard`` the first
+    ``round(hard_share · (candidates − 1))`` come from it — the items a retrieval stage would hand the
+    reranker for the shown history, never one the user interacted with. The target is kept whether or
+    not the stage would have retrieved it, which is not the stage's selection (measured in
+    ``bench/experiments/hard_negative_selection.py``). Without ``hard`` the requests are those of earlier
+    releases, byte for byte (the same seed draws the same negatives)."""
     _check(history, candidates)
+    if not 0.0 <= hard_share <= 1.0:
+        raise ValueError(f"hard_share must be in [0, 1], got {hard_share}")
     rng = random.Random(seed)
     positions = training_positions(dataset, users, history, window)
     rng.shuffle(positions)
     all_items = sorted(dataset.items)
-    return [_request(rng, dataset, all_items, user, i, history, candidates) for user, i in positions[:count]]
+    hard_count = round(hard_share * (candidates - 1)) if hard is not None else 0
+    return [_request(rng, dataset, all_items, user, i, history, candidates, hard, hard_count)
+            for user, i in positions[:count]]
 
 
 def validation_requests(dataset: Dataset, users: Sequence[str], history: int, candidates: int, count: int,

@@ -114,6 +114,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--teacher-model", type=Path, default=None, metavar="scorer|FOLDER",
                         help="add a trained scorer to the recipe's teacher (finetune --teacher-model): run once "
                              "without and once with it for the attempt table of issue 42")
+    parser.add_argument("--hard-negatives", type=float, default=None, metavar="SHARE",
+                        help="override the recipe's share of retrieval-stage negatives (finetune --hard-negatives)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                         help="torch CPU threads (default: every core, %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/kvshard-finetune-gpu"),
@@ -129,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         recipe = replace(recipe, dataset=args.dataset)
     if args.teacher_model is not None:
         recipe = replace(recipe, teacher_model=args.teacher_model)
+    if args.hard_negatives is not None:
+        recipe = replace(recipe, hard_negatives=args.hard_negatives)
     rows = []
     for device in args.devices:
         if device == "cuda" and not torch.cuda.is_available():

@@ -20,7 +20,7 @@ from typing import Any
 from kvshard.datasets import Dataset
 from kvshard.models import model_template
 from kvshard.prompts import PromptBuilder, RecommendationRequest
-from kvshard.ranking import rank_candidates
+from kvshard.ranking import fuse_scores, rank_candidates
 
 
 class FullPrefillReference:
@@ -48,7 +48,10 @@ class FullPrefillReference:
         result = self.engine.full(scoring_prompt(built), readout=self.readout)
         if result.scores is None:
             raise ValueError("the full prefill with a readout returned no scores")
-        ranking = rank_candidates(request.candidates, built.labels, result.scores.tolist())
+        scores = result.scores.tolist()
+        stage = body.get("retrieval_scores")  # ranked as the sidecar ranks it: fused with the stage's scores
+        fused = None if stage is None else fuse_scores(scores, stage, float(body.get("retrieval_weight", 1.0)))
+        ranking = rank_candidates(request.candidates, built.labels, scores, fused)
         return {"mode": "rank", "engine": "in-process full prefill", "label": ranking[0].label,
                 "candidate": ranking[0].candidate, "ranking": [ranked.as_json() for ranked in ranking],
                 "timings": {"ttft_ms": round(result.ttft_s * 1000, 3)}}

@@ -354,7 +354,7 @@ def render(summary: Mapping[str, Any]) -> str:
                 f"({stage['retrieved']} targets retrieved); 'all' counts a missed target as 0 for every ranking"]
         rows = [[name, *(_fmt(stage[key][subset][m], ".2f") for subset in ("all", "retrieved")
                          for m in ("ndcg10", "hr1"))]
-                for name, key in (("served model (replay)", "served"), ("retrieval order", "retrieval_order"),
+                for name, key in (("served: model + retrieval score", "served"), ("retrieval order", "retrieval_order"),
                                   ("random", "random"))]
         out += _table(["ranking", "NDCG@10 (all)", "HR@1 (all)", "NDCG@10 (retrieved)", "HR@1 (retrieved)"], rows)
     out += [""]

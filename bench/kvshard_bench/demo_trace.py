@@ -90,10 +90,17 @@ class DemoRequest:
     the stage did not retrieve it, so it is not among the candidates)."""
     from_retrieval: bool = False
     """Whether the candidates are the retrieval stage's (not a burst's hot pool, not neighbours)."""
+    retrieval_scores: tuple[float, ...] | None = None
+    """The stage's score of each candidate, in the candidates' order (retrieval-stage requests only)."""
 
     def body(self, **extra: Any) -> dict[str, Any]:
-        """The JSON body (``extra`` adds e.g. ``blend`` or ``max_tokens``)."""
-        return {"user_id": self.user, "history": list(self.history), "candidates": list(self.candidates), **extra}
+        """The JSON body (``extra`` adds e.g. ``blend`` or ``max_tokens``); a retrieval-stage request carries
+        the stage's scores, which the sidecar fuses into its ranking."""
+        body: dict[str, Any] = {"user_id": self.user, "history": list(self.history),
+                                "candidates": list(self.candidates)}
+        if self.retrieval_scores is not None:
+            body["retrieval_scores"] = list(self.retrieval_scores)
+        return {**body, **extra}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,11 +208,13 @@ class DemoTrace:
         before the target: earlier items and the session's earlier targets), in a seeded shuffle; the
         target is only looked up in the result."""
         assert self.retrieval is not None
-        order = [r.item for r in self.retrieval.retrieve(history, self.settings.candidates, exclude=past)]
-        shown = list(order)
+        found = self.retrieval.retrieve(history, self.settings.candidates, exclude=past)
+        order = [r.item for r in found]
+        shown = list(found)
         self._rng.shuffle(shown)
         rank = order.index(target) if target in order else None
-        return DemoRequest(index, user, history, tuple(shown), target, False, rank, from_retrieval=True)
+        return DemoRequest(index, user, history, tuple(r.item for r in shown), target, False, rank,
+                           from_retrieval=True, retrieval_scores=tuple(r.score for r in shown))
 
     def _sample(self, pool: IntArray, exclude: set[int], k: int) -> list[int]:
         pool = pool[~np.isin(pool, np.fromiter(exclude, dtype=np.int64, count=len(exclude)))]

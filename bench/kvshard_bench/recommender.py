@@ -28,6 +28,11 @@ target is among them only when the stage retrieved it (never inserted), so the r
 all requests (a missed target scores 0 for every ranking) and ``retrieved_*`` over the requests whose
 target was retrieved. The bar: the model's NDCG@10 above the retrieval order's.
 
+Beside each model, ``<model> + retrieval score`` (``fused_with_retrieval``; ``--no-fuse-retrieval`` drops
+it) ranks by the same scores fused with the retrieval stage's score of each candidate
+(:func:`kvshard.ranking.fuse_scores`, :meth:`kvshard.retrieval.RetrievalIndex.scores`), on either
+candidate set: what the sidecar answers a request that carries ``retrieval_scores``.
+
 Every request is scored under the same permutations for every model. Rows carry the model name and
 weights hash, the sample (dataset, users, history, candidates, seed, split) and whether the issue's
 targets (HR@1 ≥ 0.30, consistency ≥ 0.8, no letter above 25 %) are met.
@@ -55,7 +60,7 @@ from kvshard.prompts import (
     candidate_orders,
     sample_requests,
 )
-from kvshard.ranking import QUALITY_METRICS, best_index, quality, random_quality
+from kvshard.ranking import QUALITY_METRICS, best_index, fuse_scores, quality, random_quality
 from kvshard.retrieval import RetrievalIndex, RetrievedRequest, quality_or_miss, recall, retrieval_requests
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
 from kvshard_bench.tables import format_cells
@@ -67,6 +72,7 @@ BOOTSTRAP_SAMPLES = 1000
 BASELINE_NAMES = {"popularity": "popularity (rating count)", "item_knn": "item-kNN (training users)",
                   "retrieval_order": "retrieval order (the stage's own)"}
 CANDIDATE_SETS = ("uniform", "retrieval")
+FUSED_SUFFIX = "retrieval score"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'uniform': the target plus negatives drawn uniformly from unseen items; 'retrieval': "
                              "the retrieval stage's items (item-kNN of the history over training users, topped up "
                              "with popular items), the target only where retrieved (default: %(default)s)")
+    parser.add_argument("--fuse-retrieval", action=argparse.BooleanOptionalAction, default=True,
+                        help="beside each model, a '<model> + retrieval score' row: its scores fused with the "
+                             "retrieval stage's score of each candidate (kvshard.retrieval: summed co-occurrence "
+                             "with the history), z-scores summed 1 : 1, as the sidecar ranks a request that "
+                             "carries retrieval_scores (default: on)")
     parser.add_argument("--permutations", type=int, default=3,
                         help="candidate orders per request, for position consistency (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling and permutation seed (default: %(default)s)")
@@ -158,13 +169,12 @@ def popularity_quality(dataset: Dataset, orders: Sequence[Sequence[Recommendatio
     return baseline_quality(orders, lambda r: [float(counts[c]) for c in r.candidates])
 
 
-def item_knn_quality(dataset: Dataset, split: UserSplit,
-                     orders: Sequence[Sequence[RecommendationRequest]]) -> dict[str, float]:
+def item_knn_quality(teacher: ItemKnnTeacher, orders: Sequence[Sequence[RecommendationRequest]]) -> dict[str, float]:
     """The same for item-kNN (:class:`~kvshard_training.teacher.ItemKnnTeacher`, the fine-tuning
-    teacher): cosine co-occurrence over the *training* users' interactions before their second-to-last,
-    summed over the request's history. The collaborative-filtering baseline a language-model recommender
-    trained on these users is measured against — no held-out user and no target is in its counts."""
-    teacher = ItemKnnTeacher(dataset.histories, split.training_users(dataset))
+    teacher, built over the *training* users): cosine co-occurrence over their interactions before their
+    second-to-last, summed over the request's history — the retrieval stage's score. The
+    collaborative-filtering baseline a language-model recommender trained on these users is measured
+    against — no held-out user and no target is in its counts."""
     return baseline_quality(orders, lambda r: teacher.scores(r.history, r.candidates))
 
 
@@ -234,11 +244,15 @@ def sample_line(users: int, candidates: int, history: int, orders: int, who: str
 
 
 def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
-                   seed: int, progress: bool = True, retrieved: Sequence[bool] | None = None) -> Row:
+                   seed: int, progress: bool = True, retrieved: Sequence[bool] | None = None,
+                   stage_scores: Callable[[RecommendationRequest], list[float]] | None = None) -> list[Row]:
     """Score every permutation of every request with the blend engine's full prefill — the label logits at
     the answer position, or for a model trained as an isolated scorer its per-candidate scores
-    (:mod:`kvshard_sidecar.engine.isolated_scorer`, float32 head); one summary row. ``retrieved`` flags
-    the requests whose target the retrieval stage retrieved: the row adds ``retrieved_*`` over those."""
+    (:mod:`kvshard_sidecar.engine.isolated_scorer`, float32 head); one summary row, and with
+    ``stage_scores`` a second (``<model> + retrieval score``) ranking by the same scores fused with the
+    retrieval stage's (:func:`kvshard.ranking.fuse_scores`, weight 1: what the sidecar answers a request
+    that carries ``retrieval_scores``). ``retrieved`` flags the requests whose target the retrieval stage
+    retrieved: the rows add ``retrieved_*`` over those."""
     from kvshard.models import model_scorer, model_template
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
     from kvshard_sidecar.engine.isolated_scorer import Readout, scoring_prompt
@@ -258,7 +272,9 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
 
     # each model is asked as it was trained (a merged adapter records its template's label position)
     builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(path))
-    answers = Answers([loaded.identity.name])
+    name = loaded.identity.name
+    fused_name = f"{name} + {FUSED_SUFFIX}"
+    answers = Answers([name, fused_name] if stage_scores is not None else [name])
     tokens: list[int] = []
     bar = tqdm(total=sum(len(o) for o in orders), desc=f"recommender {loaded.identity.name}", unit="prompt",
                disable=not progress)
@@ -267,17 +283,24 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
         for request in user_orders:
             built = builder.build(request)
             with torch.inference_mode():
-                answers.add(loaded.identity.name, built, scores(built))
+                model_scores = scores(built)
+            answers.add(name, built, model_scores)
+            if stage_scores is not None:
+                answers.add(fused_name, built, fuse_scores(model_scores, stage_scores(request)))
             tokens.append(len(built.prompt))
             bar.update()
     bar.close()
-    row: Row = {"model": loaded.identity.name, "revision": loaded.identity.revision, "path": str(path),
-                "label_position": builder.template.label_position, "scorer": scorer}
-    row.update({k: v for k, v in answers.rows(seed)[0].items() if k not in ("model", "targets_met")})
-    if retrieved is not None:
-        row.update({f"retrieved_{m}": v for m, v in answers.subset_quality(loaded.identity.name, retrieved).items()})
-    row["tokens"] = round(statistics.fmean(tokens)) if tokens else 0
-    return row
+    rows = []
+    for summary in answers.rows(seed):
+        row: Row = {"model": summary["model"], "revision": loaded.identity.revision, "path": str(path),
+                    "label_position": builder.template.label_position, "scorer": scorer,
+                    "fused_with_retrieval": summary["model"] == fused_name}
+        row.update({k: v for k, v in summary.items() if k not in ("model", "targets_met")})
+        if retrieved is not None:
+            row.update({f"retrieved_{m}": v for m, v in answers.subset_quality(summary["model"], retrieved).items()})
+        row["tokens"] = round(statistics.fmean(tokens)) if tokens else 0
+        rows.append(row)
+    return rows
 
 
 def run(args: argparse.Namespace) -> list[Row]:
@@ -288,13 +311,14 @@ def run(args: argparse.Namespace) -> list[Row]:
     split = UserSplit(args.heldout_fraction, args.split_salt)
     pool = dataset if args.all_users else split.heldout_dataset(dataset)
     stage: list[RetrievedRequest] | None = None
+    index = RetrievalIndex.fit(dataset, split)  # the stage's candidates and scores (fused beside each model)
     if args.candidate_set == "retrieval":
         if args.all_users:
             raise SystemExit("--candidate-set retrieval samples held-out users only: the retrieval stage's "
                              "statistics are the training users' (drop --all-users)")
         if args.candidates < 2:
             raise SystemExit("--candidates must be at least 2")
-        stage = retrieval_requests(pool, RetrievalIndex.fit(dataset, split), args.users, args.history,
+        stage = retrieval_requests(pool, index, args.users, args.history,
                                    args.candidates, args.seed)
         requests = [r.request for r in stage]
     else:
@@ -310,7 +334,7 @@ def run(args: argparse.Namespace) -> list[Row]:
               "target": "each user's last interaction", "candidate_set": args.candidate_set}
     expected: dict[str, float | int] = {f"random_{m}": v for m, v in random_quality(args.candidates).items()}
     baselines = {"popularity": popularity_quality(dataset, orders),
-                 "item_knn": item_knn_quality(dataset, split, orders)}
+                 "item_knn": item_knn_quality(ItemKnnTeacher(dataset.histories, split.training_users(dataset)), orders)}
     retrieved = [r.retrieved for r in stage] if stage is not None else None
     if stage is not None:  # recall, the stage's own order and a random reranking, all and retrieved-only
         expected = retrieval_fields(stage, args.candidates)
@@ -323,9 +347,10 @@ def run(args: argparse.Namespace) -> list[Row]:
             print(f"skipping {spec!r}: it is not prepared (`kvshard model prepare` merges the shipped "
                   "adapters; `kvshard model merge ADAPTER` merges your own)")
             continue
-        row = evaluate_model(path, dataset, orders, args.seed, retrieved=retrieved)
-        row.update(expected, **sample, targets_met=meets_targets(row))
-        rows.append(row)
+        stage_scores = (lambda r: index.scores(r.history, r.candidates)) if args.fuse_retrieval else None
+        for row in evaluate_model(path, dataset, orders, args.seed, retrieved=retrieved, stage_scores=stage_scores):
+            row.update(expected, **sample, targets_met=meets_targets(row))
+            rows.append(row)
     print(f"{sample_line(len(requests), args.candidates, args.history, sample['permutations'], 'users')}, "
           f"seed {args.seed}, {sample['split']}")
     print(format_table(rows, args.candidates, sample["permutations"], baselines))

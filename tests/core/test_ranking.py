@@ -6,11 +6,12 @@ import math
 import statistics
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvshard.ranking import (
     best_index,
+    fuse_scores,
     kendall_tau,
     label_logprobs,
     quality,
@@ -84,3 +85,27 @@ def test_kendall_tau_is_one_for_the_same_order_and_minus_one_reversed() -> None:
     assert kendall_tau([1, 1], [2, 2]) == 1.0
     assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
     assert -1.0 <= kendall_tau([1, 1, 2], [1, 2, 2]) <= 1.0
+
+
+@given(st.lists(st.floats(-50, 50), min_size=2, max_size=20), st.floats(0.1, 1e3), st.floats(-1e3, 1e3))
+def test_fusion_is_free_of_either_scores_scale(scores: list[float], scale: float, shift: float) -> None:
+    assume(statistics.pstdev(scores) > 1e-3)  # equal scores carry no order; rounding would invent one
+    stage = [float(i % 3) for i in range(len(scores))]
+    fused = fuse_scores(scores, stage)
+    rescaled = fuse_scores([s * scale + shift for s in scores], [s * 7 - 2 for s in stage])
+    assert all(math.isclose(a, b, abs_tol=1e-6) for a, b in zip(fused, rescaled, strict=True))
+
+
+def test_fusion_sums_the_z_scores_with_the_stages_weight() -> None:
+    assert fuse_scores([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]) == pytest.approx([-1.2247449, 0.0, 1.2247449])
+    assert fuse_scores([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx([0.0, 0.0, 0.0])
+    assert fuse_scores([1.0, 2.0, 3.0], [30.0, 20.0, 10.0], weight=2.0) == pytest.approx([1.2247449, 0.0, -1.2247449])
+    assert fuse_scores([-math.inf, 0.0, 1.0], [1.0, 0.0, 0.0])[0] == -math.inf  # no probability stays last
+    ranking = rank_candidates(["a", "b", "c"], ["A", "B", "C"], [1.0, 2.0, 3.0], fuse_scores([1.0, 2.0, 3.0],
+                                                                                          [9.0, 0.0, 0.0], 2.0))
+    assert [r.candidate for r in ranking] == ["a", "c", "b"] and ranking[0].logprob < ranking[1].logprob
+    assert ranking[0].as_json()["fused_score"] == pytest.approx(ranking[0].fused)
+    with pytest.raises(ValueError, match="as many"):
+        fuse_scores([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="finite"):
+        fuse_scores([1.0, 2.0], [1.0, math.nan])

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvshard.datasets import Dataset, Item
+from kvshard.retrieval import RetrievalIndex
 from kvshard.splits import UserSplit, training_positions, training_requests, validation_requests
 
 
@@ -95,3 +96,23 @@ def test_bad_sizes_are_refused(synthetic: Dataset) -> None:
         validation_requests(synthetic, ["u0"], 0, 4, 5)
     with pytest.raises(ValueError, match="heldout_fraction"):
         UserSplit(1.0)
+
+
+def test_hard_negatives_are_the_retrieval_stages_items_for_the_shown_history(synthetic: Dataset) -> None:
+    users = list(synthetic.histories)
+    index = RetrievalIndex(synthetic.histories)
+    uniform = training_requests(synthetic, users, 3, 9, 200, seed=5)
+    half = training_requests(synthetic, users, 3, 9, 200, seed=5, hard=index.hard_negatives, hard_share=0.5)
+    assert [(r.user_id, r.history, r.target) for r in half] == [(r.user_id, r.history, r.target) for r in uniform]
+    assert half != uniform
+    for request in half:
+        seen = set(synthetic.histories[request.user_id])
+        negatives = set(request.candidates) - {request.target}
+        assert request.target in request.candidates and len(negatives) == 8
+        assert not negatives & seen  # never an item the user interacted with, the target included
+        assert set(index.hard_negatives(request.history, seen, 4)) <= negatives  # round(0.5 · 8) from the stage
+    every = training_requests(synthetic, users, 3, 9, 50, seed=5, hard=index.hard_negatives, hard_share=1.0)
+    assert all(set(r.candidates) - {r.target} == set(index.hard_negatives(r.history, synthetic.histories[r.user_id], 8))
+               for r in every)
+    with pytest.raises(ValueError, match="hard_share"):
+        training_requests(synthetic, users, 3, 9, 5, hard=index.hard_negatives, hard_share=1.5)

@@ -38,6 +38,12 @@ def test_a_scorer_teacher_is_refused_for_the_answer_position() -> None:
         FinetuneSettings(scorer="late", teacher_model=Path("scorer"), teacher_model_weight=0.0).validate()
 
 
+def test_the_hard_negative_share_is_a_share() -> None:
+    FinetuneSettings(hard_negatives=1.0).validate()
+    with pytest.raises(SettingsError, match="--hard-negatives"):
+        FinetuneSettings(hard_negatives=1.5).validate()
+
+
 @pytest.mark.model
 def test_the_targets_are_the_teachers_own_scores_under_every_order() -> None:
     from transformers import AutoTokenizer
@@ -83,16 +89,20 @@ def test_a_base_model_is_not_a_scorer_teacher() -> None:
 
 
 @pytest.mark.model
-def test_two_steps_with_the_isolated_scorer_teaching_a_late_student(tmp_path: Path) -> None:
+def test_two_steps_with_the_isolated_scorer_teaching_a_late_student_on_retrieval_stage_negatives(
+        tmp_path: Path) -> None:
     from kvshard.cli import main
 
     settings = FinetuneSettings(out=tmp_path, history=3, candidates=4, steps=2, accumulation=1, users=5,
                                 val_users=2, rank=2, alpha=4, layers=2, targets=("q_proj", "v_proj"), warmup=1,
-                                minutes=5.0, scorer="late", interaction=4, teacher_model=Path("scorer"))
+                                minutes=5.0, scorer="late", interaction=4, teacher_model=Path("scorer"),
+                                hard_negatives=0.5)
     assert main(settings.command().split()[1:]) == 0
     provenance = json.loads((tmp_path / "provenance.json").read_text())
     assert provenance["teacher"]["kind"] == "item-knn"
     assert provenance["teacher"]["scorer"]["model"] == "SmolLM2-135M-MovieLens-Scorer"
     assert provenance["teacher"]["scorer"]["scorer"] == "isolated"
     assert provenance["settings"]["teacher_model"] == "scorer"
+    assert provenance["split"]["hard_negatives"]["share"] == 0.5
+    assert provenance["split"]["hard_negatives"]["stage"].startswith("item-kNN")
     assert provenance["steps"] == 2

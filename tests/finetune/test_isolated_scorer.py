@@ -106,8 +106,9 @@ def test_the_merge_records_the_scorer_and_the_bench_ranks_with_it(tiny_scorer: P
     assert scorer in ("isolated", "late") and model_scorer(default_model_path()) == "answer"
     argv = ["bench", "recommender", "--models", str(tiny_scorer), "--users", "3", "--history", "3",
             "--candidates", "4", "--permutations", "3"]
-    [row] = run(build_parser(argv).parse_args(argv))
+    row, fused = run(build_parser(argv).parse_args(argv))
     assert row["scorer"] == scorer and row["position_consistency"] == 1.0
+    assert fused["fused_with_retrieval"] and fused["position_consistency"] == 1.0  # an order-free stage, too
 
 
 @pytest.mark.model

@@ -19,6 +19,7 @@ from kvshard_bench.recommender import (
     run,
     summarize,
 )
+from kvshard_training.teacher import ItemKnnTeacher
 
 PERFECT = {"hr1": 1.0, "hr5": 1.0, "ndcg10": 1.0}
 MISS = {"hr1": 0.0, "hr5": 1.0, "ndcg10": 0.5}
@@ -83,11 +84,13 @@ def test_the_item_knn_baseline_ranks_by_co_occurrence_with_the_history_not_popul
     dataset = Dataset("toy", items, histories)
     everyone_trains = UserSplit(0.0, "salt")
     request = RecommendationRequest("u1", ("h",), ("popular", "paired"), "paired")
-    assert item_knn_quality(dataset, everyone_trains, [[request]])["hr1"] == 1.0
+    assert item_knn_quality(ItemKnnTeacher(histories, everyone_trains.training_users(dataset)),
+                            [[request]])["hr1"] == 1.0
     assert popularity_quality(dataset, [[request]])["hr1"] == 0.0
     # the counts stop before each user's second-to-last item: with "paired" there, nothing vouches for it
     late = {**histories, "u2": ["h", "x", "paired", "y"], "u3": ["h", "x", "paired", "y"]}
-    assert item_knn_quality(Dataset("toy", items, late), everyone_trains, [[request]])["hr1"] == 0.0
+    assert item_knn_quality(ItemKnnTeacher(late, everyone_trains.training_users(dataset)),
+                            [[request]])["hr1"] == 0.0
 
 
 def test_bootstrap_interval_brackets_the_mean() -> None:
@@ -107,8 +110,10 @@ def test_tiny_run_reports_every_field_for_the_base_model(tmp_path: Path, capsys:
     argv = ["bench", "recommender", "--models", "base", "--users", "2", "--history", "3",
             "--candidates", "4", "--permutations", "2", "--json", str(out)]
     rows = run(build_parser(argv).parse_args(argv))
-    assert json.loads(out.read_text()) == rows and len(rows) == 1
-    row = rows[0]
+    assert json.loads(out.read_text()) == rows and len(rows) == 2
+    row, fused = rows
+    assert fused["model"] == "SmolLM2-135M-Instruct + retrieval score" and fused["fused_with_retrieval"]
+    assert not row["fused_with_retrieval"] and 0.0 <= fused["hr1"] <= 1.0
     for field in ("model", "hr1", "hr5", "ndcg10", "position_consistency", "max_label_share"):
         assert field in row
     assert row["model"] == "SmolLM2-135M-Instruct" and row["users"] == 2 and row["candidates"] == 4

@@ -64,7 +64,7 @@ def test_a_tiny_retrieval_run_reports_the_stage_beside_the_model(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rows.json"
     argv = ["bench", "recommender", "--models", "base", "--users", "6", "--history", "5", "--candidates", "10",
-            "--permutations", "1", "--candidate-set", "retrieval", "--json", str(out)]
+            "--permutations", "1", "--candidate-set", "retrieval", "--no-fuse-retrieval", "--json", str(out)]
     rows = run(build_parser(argv).parse_args(argv))
     assert json.loads(out.read_text()) == rows and len(rows) == 1
     row = rows[0]

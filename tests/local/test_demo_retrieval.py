@@ -62,6 +62,7 @@ def test_session_requests_carry_the_stages_items_and_keep_the_target_only_if_ret
         assert r.from_retrieval and not r.trending and sorted(r.candidates) == sorted(order)
         assert r.retrieval_rank == (order.index(r.target) if r.target in order else None)
         assert not set(r.candidates) & set(items[:k]), "nothing the user saw before the target"
+        assert r.body()["retrieval_scores"] == index.scores(r.history, r.candidates)  # the stage's, in their order
         ranks.append(r.retrieval_rank)
     assert any(rank is None for rank in ranks) and any(rank is not None for rank in ranks)
 
@@ -114,7 +115,7 @@ def test_the_summary_puts_the_served_model_beside_the_retrieval_order() -> None:
     assert stage["random"]["all"]["hr1"] == pytest.approx(0.025) and stage["random"]["retrieved"]["hr1"] == 0.05
     text = rep.render(s)
     assert "Retrieval-stage candidates: 4 session requests, recall@K 50%" in text
-    assert "retrieval order" in text and "served model (replay)" in text
+    assert "retrieval order" in text and "served: model + retrieval score" in text
 
 
 def test_a_summary_without_retrieval_requests_has_no_retrieval_section() -> None:

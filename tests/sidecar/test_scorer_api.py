@@ -94,3 +94,20 @@ def test_with_its_vllm_gone_a_scorer_sidecar_answers_503_and_keeps_serving(start
         message = body["error"]["message"]
         assert body["error"]["field"] == "engine" and gone in message and "did not answer" in message
     assert sidecar.json("GET", "/healthz")[0] == 200
+
+
+def test_the_retrieval_stages_scores_fuse_into_the_ranking(sidecar: Sidecar) -> None:
+    _, alone = sidecar.json("POST", "/v1/recommend", REQUEST)
+    model = _scores(alone)
+    worst = min(model, key=model.__getitem__)
+    stage = [10.0 if c == worst else 0.0 for c in REQUEST["candidates"]]  # the stage is sure of the model's last
+    status, fused = sidecar.json("POST", "/v1/recommend", {**REQUEST, "retrieval_scores": stage,
+                                                           "retrieval_weight": 10})
+    assert status == 200, fused
+    assert fused["candidate"] == worst and _scores(fused) == model  # reordered, the model's numbers kept
+    assert all("fused_score" in r for r in fused["ranking"])
+    status, ignored = sidecar.json("POST", "/v1/recommend", {**REQUEST, "retrieval_scores": stage,
+                                                             "retrieval_weight": 0})
+    assert status == 200 and ignored["candidate"] == alone["candidate"]
+    status, error = sidecar.json("POST", "/v1/recommend", {**REQUEST, "retrieval_scores": stage[:-1]})
+    assert status == 400 and error["error"]["field"] == "retrieval_scores", error

@@ -165,3 +165,18 @@ def test_prefill_needs_known_items_or_users() -> None:
         with pytest.raises(RequestError) as error:
             parse_prefill(body, ITEMS, {"u1": []})
         assert error.value.field == field
+
+
+def test_retrieval_scores_are_one_finite_number_per_candidate_in_rank_mode() -> None:
+    call = parse_recommend({**VALID, "retrieval_scores": [0.5, 2, 0.0]}, ITEMS, LIMITS)
+    assert (call.retrieval_scores, call.retrieval_weight) == ((0.5, 2.0, 0.0), 1.0)
+    assert parse_recommend({**VALID, "retrieval_scores": [1, 2, 3], "retrieval_weight": 0.5},
+                           ITEMS, LIMITS).retrieval_weight == 0.5
+    assert parse_recommend(VALID, ITEMS, LIMITS).retrieval_scores is None
+    assert reject({**VALID, "retrieval_scores": [1, 2]}).field == "retrieval_scores"
+    assert reject({**VALID, "retrieval_scores": [1, "2", 3]}).field == "retrieval_scores[1]"
+    assert reject({**VALID, "retrieval_scores": [1, True, 3]}).field == "retrieval_scores[1]"
+    assert reject({**VALID, "retrieval_scores": [1, 2, 3], "retrieval_weight": -1}).field == "retrieval_weight"
+    assert reject({**VALID, "retrieval_weight": 2}).field == "retrieval_weight"
+    generate = {**VALID, "mode": "generate", "retrieval_scores": [1, 2, 3]}
+    assert reject(generate).field == "retrieval_scores"

@@ -62,6 +62,7 @@ from kvshard.datasets import load_dataset
 from kvshard.paths import cache_dir
 from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt, candidate_orders
 from kvshard.ranking import QUALITY_METRICS, best_index, quality
+from kvshard.retrieval import RetrievalIndex
 from kvshard.segments import SegmentKind
 from kvshard.splits import UserSplit, training_requests, validation_requests
 from kvshard_sidecar.engine.isolated_scorer import (
@@ -339,8 +340,10 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
     if settings.users:
         users = sorted(random.Random(settings.seed).sample(users, min(settings.users, len(users))))
     builder = PromptBuilder(tokenizer, dataset, template=PromptTemplate(label_position=settings.label_position))
+    stage = RetrievalIndex.fit(dataset, split) if settings.hard_negatives > 0 else None
     requests = training_requests(dataset, users, settings.history, settings.candidates,
-                                 settings.steps * settings.accumulation, settings.seed, settings.window)
+                                 settings.steps * settings.accumulation, settings.seed, settings.window,
+                                 stage.hard_negatives if stage is not None else None, settings.hard_negatives)
     if not requests:
         raise SystemExit(f"no training positions: users need more than {settings.history + 2} interactions")
     validation = validation_requests(dataset, users, settings.history, settings.candidates, settings.val_users,
@@ -364,7 +367,10 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
     examples = [Example.of(*(builder.build(o) for o in orders), soft=s, isolated=isolated,
                            interaction=interaction)
                 for orders, s in zip(training_orders, soft, strict=True)]
-    return TrainingData(dataset.name, {**split.describe(dataset), "training_users_used": len(users)},
+    described = {**split.describe(dataset), "training_users_used": len(users)}
+    if stage is not None:
+        described["hard_negatives"] = {"share": settings.hard_negatives, **stage.describe()}
+    return TrainingData(dataset.name, described,
                         examples, [Example.of(*(builder.build(o) for o in orders), isolated=isolated,
                                               interaction=interaction)
                                    for orders in validation_orders],

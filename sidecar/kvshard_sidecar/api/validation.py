@@ -24,7 +24,8 @@ MAX_INSTRUCTION_LENGTH = 2000
 BLEND_FIELDS = {"method", "selector", "ratio", "check_layers", "schedule", "boundary_w", "deviation_on",
                 "recompute_free", "epic_k"}
 RECOMMEND_FIELDS = {"user_id", "history", "candidates", "instruction", "mode", "top_k", "max_tokens", "temperature",
-                    "blend", "logprobs"}
+                    "blend", "logprobs", "retrieval_scores", "retrieval_weight"}
+MAX_RETRIEVAL_WEIGHT = 100.0
 MODES = ("rank", "generate")
 # Decoding options and their defaults: rank mode accepts a field only at its default.
 GENERATE_DEFAULTS: dict[str, float] = {"max_tokens": 1, "temperature": 0.0, "logprobs": 0}
@@ -209,6 +210,7 @@ def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
             top_k = int(_number(request, "top_k", 0, 1, limits.max_candidates, integer=True))
     elif "top_k" in request:
         raise RequestError("top_k", "applies to \"mode\": \"rank\" only")
+    retrieval_scores, retrieval_weight = _retrieval(request, len(candidates), mode)
     return RecommendCall(
         user_id=_identifier(request["user_id"], "user_id"),
         history=_item_ids(request.get("history", []), "history", items, limits.max_history,
@@ -222,7 +224,29 @@ def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
         blend=blend,
         logprobs=logprobs,
         inline=inline,
+        retrieval_scores=retrieval_scores,
+        retrieval_weight=retrieval_weight,
     )
+
+
+def _retrieval(request: Mapping[str, Any], candidates: int, mode: str) -> tuple[tuple[float, ...] | None, float]:
+    """``retrieval_scores`` (the retrieval stage's score of each candidate, in the candidates' order) and
+    ``retrieval_weight`` (its weight in the fused ranking, default 1), both for ``"mode": "rank"``."""
+    if "retrieval_scores" not in request:
+        if "retrieval_weight" in request:
+            raise RequestError("retrieval_weight", "needs retrieval_scores (the weight is theirs)")
+        return None, 1.0
+    if mode != "rank":
+        raise RequestError("retrieval_scores", "applies to \"mode\": \"rank\" only (they reorder the ranking)")
+    scores = request["retrieval_scores"]
+    if not isinstance(scores, list) or len(scores) != candidates:
+        raise RequestError("retrieval_scores", f"must be a list of {candidates} numbers, one per candidate in "
+                           "their order")
+    for i, value in enumerate(scores):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestError(f"retrieval_scores[{i}]", f"must be a finite number, got {value!r}")
+    weight = float(_number(request, "retrieval_weight", 1.0, 0.0, MAX_RETRIEVAL_WEIGHT))
+    return tuple(float(v) for v in scores), weight
 
 
 def parse_prefill(body: Any, items: Mapping[str, object], users: Sequence[str] | Mapping[str, object],

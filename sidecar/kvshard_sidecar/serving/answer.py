@@ -12,7 +12,7 @@ import time
 from typing import Literal, TypedDict
 
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
-from kvshard.ranking import rank_candidates
+from kvshard.ranking import fuse_scores, rank_candidates
 from kvshard.request_errors import RequestError
 from kvshard_sidecar.engine.isolated_scorer import scoring_prompt
 from kvshard_sidecar.metrics import SidecarMetrics
@@ -119,7 +119,9 @@ class Answerer:
                                "each one alone) and does not generate: ask \"mode\": \"rank\"", status=422)
         if call.mode == "rank":
             scored = self.compute.label_scores(built, call)
-            ranking = rank_candidates(built.request.candidates, built.labels, scored.scores)
+            fused = (None if call.retrieval_scores is None
+                     else fuse_scores(scored.scores, call.retrieval_scores, call.retrieval_weight))
+            ranking = rank_candidates(built.request.candidates, built.labels, scored.scores, fused)
             self._after(built, call, scored)
             return {"mode": "rank", "label": ranking[0].label, "candidate": ranking[0].candidate,
                     "ranking": [ranked.as_json() for ranked in ranking[: call.top_k]],

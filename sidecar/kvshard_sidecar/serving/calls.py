@@ -44,6 +44,10 @@ class RecommendCall:
     logprobs: int = 0  # how many top first-token logprobs to return
     inline: Mapping[str, Item] = field(default_factory=dict)
     """Items given as ``{"id", "text", ...}`` that the catalog lacks (cold items), by id."""
+    retrieval_scores: tuple[float, ...] | None = None
+    """Rank mode: the retrieval stage's score of each candidate; the ranking fuses them with the model's
+    (:func:`kvshard.ranking.fuse_scores`)."""
+    retrieval_weight: float = 1.0
 
 
 @dataclass(frozen=True)
