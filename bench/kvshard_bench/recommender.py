@@ -169,12 +169,13 @@ def popularity_quality(dataset: Dataset, orders: Sequence[Sequence[Recommendatio
     return baseline_quality(orders, lambda r: [float(counts[c]) for c in r.candidates])
 
 
-def item_knn_quality(teacher: ItemKnnTeacher, orders: Sequence[Sequence[RecommendationRequest]]) -> dict[str, float]:
+def item_knn_quality(dataset: Dataset, split: UserSplit,
+                     orders: Sequence[Sequence[RecommendationRequest]]) -> dict[str, float]:
     """The same for item-kNN (:class:`~kvshard_training.teacher.ItemKnnTeacher`, the fine-tuning
-    teacher, built over the *training* users): cosine co-occurrence over their interactions before their
-    second-to-last, summed over the request's history — the retrieval stage's score. The
-    collaborative-filtering baseline a language-model recommender trained on these users is measured
-    against — no held-out user and no target is in its counts."""
+    teacher): cosine co-occurrence over the *training* users' interactions before their second-to-last,
+    summed over the request's history. The collaborative-filtering baseline a language-model recommender
+    trained on these users is measured against — no held-out user and no target is in its counts."""
+    teacher = ItemKnnTeacher(dataset.histories, split.training_users(dataset))
     return baseline_quality(orders, lambda r: teacher.scores(r.history, r.candidates))
 
 
@@ -334,12 +335,13 @@ def run(args: argparse.Namespace) -> list[Row]:
               "target": "each user's last interaction", "candidate_set": args.candidate_set}
     expected: dict[str, float | int] = {f"random_{m}": v for m, v in random_quality(args.candidates).items()}
     baselines = {"popularity": popularity_quality(dataset, orders),
-                 "item_knn": item_knn_quality(ItemKnnTeacher(dataset.histories, split.training_users(dataset)), orders)}
+                 "item_knn": item_knn_quality(dataset, split, orders)}
     retrieved = [r.retrieved for r in stage] if stage is not None else None
     if stage is not None:  # recall, the stage's own order and a random reranking, all and retrieved-only
         expected = retrieval_fields(stage, args.candidates)
         baselines["retrieval_order"] = {m: float(expected[f"retrieval_order_{m}"]) for m in QUALITY_METRICS}
     expected |= {f"{name}_{m}": v for name, quality_of in baselines.items() for m, v in quality_of.items()}
+    stage_scores = (lambda r: index.scores(r.history, r.candidates)) if args.fuse_retrieval else None
     rows: list[Row] = []
     for spec in args.models:
         path = resolve_model(spec)
@@ -347,7 +349,6 @@ def run(args: argparse.Namespace) -> list[Row]:
             print(f"skipping {spec!r}: it is not prepared (`kvshard model prepare` merges the shipped "
                   "adapters; `kvshard model merge ADAPTER` merges your own)")
             continue
-        stage_scores = (lambda r: index.scores(r.history, r.candidates)) if args.fuse_retrieval else None
         for row in evaluate_model(path, dataset, orders, args.seed, retrieved=retrieved, stage_scores=stage_scores):
             row.update(expected, **sample, targets_met=meets_targets(row))
             rows.append(row)
