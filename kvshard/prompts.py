@@ -63,6 +63,9 @@ class RecommendationRequest:
     history: tuple[str, ...]
     candidates: tuple[str, ...]
     target: str | None = None  # the held-out item when sampled from a dataset
+    later_targets: tuple[str, ...] = ()
+    """Training only (``kvshard model finetune --positives``): the items the user watched right after
+    ``target``, also among the candidates and also counted as positives."""
 
     @property
     def target_index(self) -> int | None:

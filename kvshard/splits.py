@@ -85,16 +85,20 @@ HardNegatives = Callable[[Sequence[str], Collection[str], int], list[str]]
 
 def _request(rng: random.Random, dataset: Dataset, all_items: Sequence[str], user: str, position: int,
              history: int, candidates: int, hard: HardNegatives | None = None,
-             hard_count: int = 0) -> RecommendationRequest:
+             hard_count: int = 0, positives: int = 1) -> RecommendationRequest:
     items = dataset.histories[user]
     target = items[position]
+    # Later targets stop before the validation target (len - 2), whatever the position.
+    later = tuple(i for i in dict.fromkeys(items[position + 1:min(len(items) - 2, position + positives)])
+                  if i != target)
     shown = tuple(items[position - history:position])
     seen = set(items)
+    hard_count = min(hard_count, candidates - 1 - len(later))
     negatives = hard(shown, seen, hard_count) if hard is not None and hard_count > 0 else []
-    negatives += _negatives(rng, all_items, seen | set(negatives), candidates - 1 - len(negatives))
-    pool = [target, *negatives]
+    negatives += _negatives(rng, all_items, seen | set(negatives), candidates - 1 - len(later) - len(negatives))
+    pool = [target, *later, *negatives]
     rng.shuffle(pool)
-    return RecommendationRequest(user, shown, tuple(pool), target)
+    return RecommendationRequest(user, shown, tuple(pool), target, later)
 
 
 def _check(history: int, candidates: int) -> None:
@@ -119,7 +123,7 @@ def training_positions(dataset: Dataset, users: Iterable[str], history: int, win
 
 def training_requests(dataset: Dataset, users: Sequence[str], history: int, candidates: int, count: int,
                       seed: int = 0, window: int = 0, hard: HardNegatives | None = None,
-                      hard_share: float = 0.0) -> list[RecommendationRequest]:
+                      hard_share: float = 0.0, positives: int = 1) -> list[RecommendationRequest]:
     """``count`` seeded training requests drawn without replacement from :func:`training_positions`
     (fewer if there are fewer positions), in a seeded random order.
 
@@ -127,17 +131,23 @@ def training_requests(dataset: Dataset, users: Sequence[str], history: int, cand
     ``round(hard_share · (candidates − 1))`` come from it — the items a retrieval stage would hand the
     reranker for the shown history, never one the user interacted with. The target is kept whether or
     not the stage would have retrieved it, which is not the stage's selection (measured in
-    ``bench/experiments/hard_negative_selection.py``). Without ``hard`` the requests are those of earlier
-    releases, byte for byte (the same seed draws the same negatives)."""
+    ``bench/experiments/hard_negative_selection.py``).
+
+    With ``positives`` above 1, the user's next ``positives - 1`` distinct items after the target — never
+    the validation target or later — are among the candidates too, as the request's ``later_targets``
+    (fewer near the validation target). Without ``hard`` and with one positive the requests are those of
+    earlier releases, byte for byte (the same seed draws the same negatives)."""
     _check(history, candidates)
     if not 0.0 <= hard_share <= 1.0:
         raise ValueError(f"hard_share must be in [0, 1], got {hard_share}")
+    if not 1 <= positives < candidates:
+        raise ValueError(f"positives must be in [1, candidates), got {positives}")
     rng = random.Random(seed)
     positions = training_positions(dataset, users, history, window)
     rng.shuffle(positions)
     all_items = sorted(dataset.items)
     hard_count = round(hard_share * (candidates - 1)) if hard is not None else 0
-    return [_request(rng, dataset, all_items, user, i, history, candidates, hard, hard_count)
+    return [_request(rng, dataset, all_items, user, i, history, candidates, hard, hard_count, positives)
             for user, i in positions[:count]]
 
 

@@ -67,7 +67,7 @@ COMBINATIONS = ({"knn": 1.0}, {"late": 1.0}, {"scorer": 1.0}, {"scorer": 1.0, "k
 
 def model_scores(spec: str, dataset_name: str, name: str, requests: list[RecommendationRequest]) -> list[list[float]]:
     """Each request's candidate scores by the merged scorer ``spec`` (cached per set)."""
-    cache = CACHE / f"{spec}_{name}.json"
+    cache = CACHE / f"{spec.strip('/').replace('/', '_')}_{name}.json"  # a folder spec too
     if cache.exists():
         cached: list[list[float]] = json.loads(cache.read_text())
         return cached
@@ -104,6 +104,18 @@ def paired_interval(differences: list[float], seed: int = 0, samples: int = 2000
     return means[int(0.025 * samples)], means[int(0.975 * samples) - 1]
 
 
+def paired_line(first: str, second: str, differences: list[float], metric: str = "HR@1") -> str:
+    """``first − second`` per request: the mean, its 95 % bootstrap interval and, for a hit metric, on how
+    many requests only one of the two ranks the target first."""
+    low, high = paired_interval(differences)
+    line = (f"  paired {first} - {second} {metric} {statistics.fmean(differences):+.3f} "
+            f"(95 % CI {low:+.3f} .. {high:+.3f})")
+    if metric != "HR@1":
+        return line
+    wins, losses = sum(d > 0 for d in differences), sum(d < 0 for d in differences)
+    return f"{line}; only {first} first {wins}, only {second} {losses}"
+
+
 def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
     dataset = load_dataset("movielens-100k")
@@ -126,10 +138,7 @@ def main() -> None:
             hits[label] = [a["hr1"] for a in answers]
             print(f"  {label:<20} HR@1 {statistics.fmean(hits[label]):.3f}  "
                   f"NDCG@10 {statistics.fmean(a['ndcg10'] for a in answers):.3f}")
-        differences = [a - b for a, b in zip(hits["late"], hits["scorer"], strict=True)]
-        low, high = paired_interval(differences)
-        print(f"  paired late - isolated HR@1 {statistics.fmean(differences):+.3f} (95 % CI {low:+.3f} .. {high:+.3f});"
-              f" only late first {sum(d > 0 for d in differences)}, only isolated {sum(d < 0 for d in differences)}")
+        print(paired_line("late", "isolated", [a - b for a, b in zip(hits["late"], hits["scorer"], strict=True)]))
 
 
 if __name__ == "__main__":

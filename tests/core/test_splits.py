@@ -116,3 +116,26 @@ def test_hard_negatives_are_the_retrieval_stages_items_for_the_shown_history(syn
                for r in every)
     with pytest.raises(ValueError, match="hard_share"):
         training_requests(synthetic, users, 3, 9, 5, hard=index.hard_negatives, hard_share=1.5)
+
+
+def test_later_targets_are_the_users_next_items_and_never_reach_the_validation_target(movielens: Any) -> None:
+    users = UserSplit().training_users(movielens)
+    one = training_requests(movielens, users, history=10, candidates=20, count=500, seed=3, window=30)
+    assert one == training_requests(movielens, users, 10, 20, 500, seed=3, window=30, positives=1)
+    assert all(r.later_targets == () for r in one)
+    five = training_requests(movielens, users, history=10, candidates=20, count=500, seed=3, window=30, positives=5)
+    assert [(r.user_id, r.history, r.target) for r in five] == [(r.user_id, r.history, r.target) for r in one]
+    assert sum(len(r.later_targets) for r in five) > 3 * len(five)  # most prompts get all four
+    for request in five:
+        items = movielens.histories[request.user_id]
+        position = next(p for p in range(10, len(items) - 2)
+                        if items[p] == request.target and tuple(items[p - 10:p]) == request.history)
+        upcoming = [i for i in dict.fromkeys(items[position + 1:min(len(items) - 2, position + 5)])
+                    if i != request.target]
+        assert list(request.later_targets) == upcoming  # the next items, in order, the validation target never
+        assert len(request.candidates) == len(set(request.candidates)) == 20
+        assert {request.target, *request.later_targets} <= set(request.candidates)
+        negatives = set(request.candidates) - {request.target, *request.later_targets}
+        assert not negatives & set(items)  # the rest are items the user never saw
+    with pytest.raises(ValueError, match="positives"):
+        training_requests(movielens, users, 10, 20, 5, positives=20)

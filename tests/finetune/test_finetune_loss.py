@@ -128,3 +128,17 @@ def test_a_position_bias_is_a_disagreement_and_its_gradient_reaches_both_orders(
     assert logits.grad is not None
     assert set(logits.grad.abs().sum(0).nonzero().flatten().tolist()) == set(LABELS.tolist())
     assert float(logits.grad[0].abs().sum()) > 0 and float(logits.grad[1].abs().sum()) > 0
+
+
+def test_several_positives_share_the_hard_target_evenly() -> None:
+    scores = torch.randn(2, 5)
+    targets = torch.tensor([0, 3])
+    positives = torch.tensor([[0.5, 0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]])
+    soft = torch.softmax(torch.randn(2, 5), -1)
+    assert torch.allclose(mixed_cross_entropy(scores, targets, positives=positives),
+                          F.cross_entropy(scores, positives))
+    assert torch.allclose(mixed_cross_entropy(scores, targets, soft, 0.5, positives),
+                          F.cross_entropy(scores, 0.5 * positives + 0.5 * soft))
+    one_hot = F.one_hot(targets, 5).float()  # one positive: the one-hot of the target, as without them
+    assert torch.allclose(mixed_cross_entropy(scores, targets, soft, 0.5, one_hot),
+                          mixed_cross_entropy(scores, targets, soft, 0.5))

@@ -89,7 +89,7 @@ def test_an_example_aligns_each_order_with_the_first() -> None:
 
     from kvshard.datasets import load_dataset
     from kvshard.prompts import PromptBuilder, RecommendationRequest
-    from kvshard_training.finetune import Example
+    from kvshard_training.examples import Example
 
     dataset = load_dataset("movielens-100k")
     builder = PromptBuilder(AutoTokenizer.from_pretrained(default_model_path()), dataset)
@@ -100,6 +100,21 @@ def test_an_example_aligns_each_order_with_the_first() -> None:
     assert example.alignment.tolist() == [[0, 1, 2], [1, 2, 0]]  # "10" stands second in order 1, ...
     with pytest.raises(ValueError, match="target"):
         Example.of(builder.build(RecommendationRequest("1", ("1",), ("10", "20"), target="99")))
+    assert example.positives is None  # one target: the one-hot of ``targets``
+    later = [RecommendationRequest("1", ("1", "2"), order, target="20", later_targets=("10",))
+             for order in (("10", "20", "30"), ("30", "10", "20"))]
+    spread = Example.of(*(builder.build(r) for r in later))
+    assert spread.positives is not None
+    assert spread.positives.tolist() == [[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]]  # "20" and "10", wherever they stand
+
+
+def test_positives_must_leave_a_negative() -> None:
+    from kvshard.settings import SettingsError
+
+    FinetuneSettings(positives=19).validate()
+    for bad in (0, 20):
+        with pytest.raises(SettingsError, match="--positives"):
+            FinetuneSettings(positives=bad).validate()
 
 
 @pytest.mark.model
@@ -110,7 +125,7 @@ def test_label_positions_point_at_each_candidates_label_token(label_position: st
     from kvshard.datasets import load_dataset
     from kvshard.prompt_template import PromptTemplate
     from kvshard.prompts import PromptBuilder, RecommendationRequest
-    from kvshard_training.finetune import label_positions
+    from kvshard_training.examples import label_positions
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     builder = PromptBuilder(tokenizer, load_dataset("movielens-100k"),

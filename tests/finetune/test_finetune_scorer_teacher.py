@@ -52,7 +52,8 @@ def test_the_targets_are_the_teachers_own_scores_under_every_order() -> None:
     from kvshard.models import model_template, resolve_model
     from kvshard.prompts import PromptBuilder, RecommendationRequest
     from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, isolated_scores
-    from kvshard_training.finetune import Example, taught
+    from kvshard_training.examples import Example
+    from kvshard_training.finetune import taught
     from kvshard_training.model_teacher import ScorerTeacher
 
     teacher = ScorerTeacher("scorer")
@@ -89,14 +90,14 @@ def test_a_base_model_is_not_a_scorer_teacher() -> None:
 
 
 @pytest.mark.model
-def test_two_steps_with_the_isolated_scorer_teaching_a_late_student_on_retrieval_stage_negatives(
+def test_two_steps_with_the_isolated_scorer_teaching_a_late_student_on_stage_negatives_and_later_targets(
         tmp_path: Path) -> None:
     from kvshard.cli import main
 
     settings = FinetuneSettings(out=tmp_path, history=3, candidates=4, steps=2, accumulation=1, users=5,
                                 val_users=2, rank=2, alpha=4, layers=2, targets=("q_proj", "v_proj"), warmup=1,
                                 minutes=5.0, scorer="late", interaction=4, teacher_model=Path("scorer"),
-                                hard_negatives=0.5)
+                                hard_negatives=0.5, positives=2)
     assert main(settings.command().split()[1:]) == 0
     provenance = json.loads((tmp_path / "provenance.json").read_text())
     assert provenance["teacher"]["kind"] == "item-knn"
@@ -105,4 +106,6 @@ def test_two_steps_with_the_isolated_scorer_teaching_a_late_student_on_retrieval
     assert provenance["settings"]["teacher_model"] == "scorer"
     assert provenance["split"]["hard_negatives"]["share"] == 0.5
     assert provenance["split"]["hard_negatives"]["stage"].startswith("item-kNN")
+    assert provenance["split"]["positives"]["next_items"] == 2
+    assert 1.0 < provenance["split"]["positives"]["mean_per_prompt"] <= 2.0
     assert provenance["steps"] == 2

@@ -10,7 +10,8 @@ the model's choice depends on the items:
   other position, contributes;
 * candidate order is shuffled per example, so position carries no signal;
 * the data follow :mod:`kvshard.splits`: held-out users are never seen, a training user's last
-  interaction is never used, the second-to-last is the validation target;
+  interaction is never used, the second-to-last is the validation target (the examples, as tensors:
+  :mod:`kvshard_training.examples`);
 * optionally (the default) the one-hot target is mixed with an item-kNN teacher's distribution over
   every candidate (:mod:`kvshard_training.teacher`), a graded target for all K labels;
 * optionally (``--consistency``) every request is trained under two candidate orders at once, and a
@@ -45,7 +46,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import random
 import sys
 import time
 from collections import Counter
@@ -58,20 +58,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kvshard.datasets import load_dataset
 from kvshard.paths import cache_dir
-from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt, candidate_orders
 from kvshard.ranking import QUALITY_METRICS, best_index, quality
-from kvshard.retrieval import RetrievalIndex
-from kvshard.segments import SegmentKind
-from kvshard.splits import UserSplit, training_requests, validation_requests
 from kvshard_sidecar.engine.isolated_scorer import (
-    IsolatedInputs,
     batched_isolated_scores,
     isolated_scores,
     readout_id,
 )
 from kvshard_sidecar.engine.model import UnsupportedModelError, default_model_path, load_model
+from kvshard_training.examples import Example, TrainingData, training_data
 from kvshard_training.lora import lineage_seconds, lora_model, save_adapter, warm_start
 from kvshard_training.merge import ADAPTER_WEIGHTS
 from kvshard_training.model_teacher import ScorerTeacher, mixed_distribution
@@ -85,7 +80,6 @@ from kvshard_training.report import (
     write_json_atomic,
 )
 from kvshard_training.settings import FinetuneSettings, from_args
-from kvshard_training.teacher import ItemKnnTeacher, teacher_quality
 
 log = logging.getLogger(__name__)
 
@@ -94,71 +88,6 @@ EMA = 0.9
 
 def default_output() -> Path:
     return cache_dir() / "finetune" / "movielens-rec"
-
-
-@dataclass(frozen=True)
-class Example:
-    """One request as tensors, under one or more candidate orders of the same length: token ids [P, T],
-    the label token ids [K] (labels are positional, so every order shares them), the target's index in
-    each order [P], and ``alignment`` [P, K]: where order ``p`` puts order 0's ``i``-th candidate."""
-
-    input_ids: torch.Tensor
-    label_ids: torch.Tensor
-    targets: torch.Tensor
-    alignment: torch.Tensor
-    soft: torch.Tensor | None = None
-    """The teacher's distribution over each order's K labels [P, K] (:mod:`kvshard_training.teacher`)."""
-    label_positions: torch.Tensor | None = None
-    """Where each order's K label tokens stand in its prompt [P, K] (read by the pointwise term)."""
-    isolated: tuple[IsolatedInputs, ...] = ()
-    """Each order's candidate blocks, for ``--scorer isolated`` (:mod:`kvshard_sidecar.engine.isolated_scorer`)."""
-
-    @classmethod
-    def of(cls, *orders: RecommendationPrompt, soft: Sequence[Sequence[float]] | None = None,
-           isolated: bool = False, interaction: int | None = None) -> Example:
-        """The same request built under each candidate order (the first is the reference)."""
-        first = orders[0]
-        if any(o.target_index is None for o in orders):
-            raise ValueError("a training example needs its target among the candidates")
-        if len({len(o.prompt) for o in orders}) != 1 or any(o.label_token_ids != first.label_token_ids for o in orders):
-            raise ValueError("candidate orders of one example must tokenize to the same length and labels")
-        reference = first.request.candidates
-        alignment = [[o.request.candidates.index(c) for c in reference] for o in orders]
-        return cls(torch.tensor([o.prompt.token_ids for o in orders], dtype=torch.long),
-                   torch.tensor(first.label_token_ids, dtype=torch.long),
-                   torch.tensor([o.target_index for o in orders], dtype=torch.long),
-                   torch.tensor(alignment, dtype=torch.long),
-                   None if soft is None else torch.tensor(soft, dtype=torch.float32),
-                   torch.tensor([label_positions(o) for o in orders], dtype=torch.long),
-                   tuple(IsolatedInputs.of(o, interaction) for o in orders) if isolated else ())
-
-    @property
-    def orders(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def to(self, device: str | torch.device) -> Example:
-        """The same example with its tensors on ``device`` (itself when they are there already)."""
-        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor.to(device)
-
-        if self.input_ids.device == torch.device(device):
-            return self
-        return Example(self.input_ids.to(device), self.label_ids.to(device), self.targets.to(device),
-                       self.alignment.to(device), move(self.soft), move(self.label_positions), self.isolated)
-
-
-def label_positions(built: RecommendationPrompt) -> list[int]:
-    """The position of each candidate's label token in ``built``'s prompt, in label order (the label
-    token inside each label segment, whichever side of its item the template puts it)."""
-    positions: list[int] = []
-    wanted = built.label_token_ids
-    for span in built.prompt.spans:
-        if len(positions) < len(wanted) and span.segment.kind is SegmentKind.FREE \
-                and wanted[len(positions)] in span.segment.token_ids:
-            positions.append(span.start + span.segment.token_ids.index(wanted[len(positions)]))
-    if len(positions) != len(wanted):
-        raise ValueError("every candidate's label token must stand in its own label segment")
-    return positions
 
 
 def answer_logits(causal_lm: Any, input_ids: torch.Tensor) -> torch.Tensor:
@@ -183,26 +112,32 @@ def answer_and_label_logits(causal_lm: Any, input_ids: torch.Tensor, positions: 
 
 
 def label_loss(logits: torch.Tensor, label_ids: torch.Tensor, targets: torch.Tensor,
-               soft: torch.Tensor | None = None, soft_weight: float = 0.0) -> torch.Tensor:
+               soft: torch.Tensor | None = None, soft_weight: float = 0.0,
+               positives: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy over the candidates' label tokens only: ``logits`` [B, V] at the answer position,
     ``label_ids`` [B, K] (or [K] for all rows), ``targets`` [B] indices into the K labels. With a
-    teacher's ``soft`` [B, K] distribution, the target is ``(1 - soft_weight) · one-hot + soft_weight · soft``."""
+    teacher's ``soft`` [B, K] distribution, the target is ``(1 - soft_weight) · one-hot + soft_weight · soft``
+    (``positives`` [B, K] in place of the one-hot: :func:`mixed_cross_entropy`)."""
     if label_ids.dim() == 1:
         label_ids = label_ids.expand(logits.shape[0], -1)
-    return mixed_cross_entropy(logits.gather(-1, label_ids), targets, soft, soft_weight)
+    return mixed_cross_entropy(logits.gather(-1, label_ids), targets, soft, soft_weight, positives)
 
 
 def mixed_cross_entropy(scores: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
-                        soft_weight: float = 0.0) -> torch.Tensor:
-    """Cross-entropy of ``scores`` [B, K] against ``(1 - soft_weight) · one-hot(targets) + soft_weight · soft``.
+                        soft_weight: float = 0.0, positives: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``scores`` [B, K] against ``(1 - soft_weight) · hard + soft_weight · soft``, where
+    ``hard`` is ``one-hot(targets)``, or ``positives`` [B, K] when given (the target spread over several
+    positives: ``--positives``).
 
     The pointwise term uses it too: there ``scores`` are one readout logit at each candidate's own label
     token (:func:`answer_and_label_logits`), asked to rank the candidates as the answer is. Each score is
     computed where its item has just been read, before the candidates that follow, so it is a per-item
     relevance — K graded signals per forward pass where the answer gives one."""
+    hard = positives
     if soft is None or soft_weight == 0.0:
-        return F.cross_entropy(scores, targets)
-    hard = F.one_hot(targets, scores.shape[-1]).to(soft.dtype)
+        return F.cross_entropy(scores, targets if hard is None else hard)
+    if hard is None:
+        hard = F.one_hot(targets, scores.shape[-1]).to(soft.dtype)
     return F.cross_entropy(scores, (1 - soft_weight) * hard + soft_weight * soft)
 
 
@@ -225,10 +160,11 @@ def example_loss(causal_lm: Any, example: Example, settings: FinetuneSettings, r
         return isolated_loss(order_scores(causal_lm, example, readout), example, settings)
     logits, scores = answer_and_label_logits(causal_lm, example.input_ids,
                                              example.label_positions if settings.pointwise > 0 else None, readout)
-    loss = label_loss(logits, example.label_ids, example.targets, example.soft, settings.teacher_weight)
+    loss = label_loss(logits, example.label_ids, example.targets, example.soft, settings.teacher_weight,
+                      example.positives)
     if scores is not None:
         loss = loss + settings.pointwise * mixed_cross_entropy(scores, example.targets, example.soft,
-                                                          settings.teacher_weight)
+                                                               settings.teacher_weight, example.positives)
     if example.orders > 1:
         loss = loss + settings.consistency * order_disagreement(logits, example.label_ids, example.alignment)
     return loss
@@ -236,7 +172,7 @@ def example_loss(causal_lm: Any, example: Example, settings: FinetuneSettings, r
 
 def isolated_loss(scores: torch.Tensor, example: Example, settings: FinetuneSettings) -> torch.Tensor:
     """An isolated or late example's loss from its orders' scores [P, K]: the mixed cross-entropy."""
-    return mixed_cross_entropy(scores, example.targets, example.soft, settings.teacher_weight)
+    return mixed_cross_entropy(scores, example.targets, example.soft, settings.teacher_weight, example.positives)
 
 
 def batch_losses(causal_lm: Any, examples: Sequence[Example], settings: FinetuneSettings,
@@ -315,66 +251,6 @@ class FinetuneResult:
     examples: int
     elapsed_s: float
     validation: dict[str, float]
-
-
-@dataclass
-class TrainingData:
-    """The split's examples as tensors, and what provenance says about them."""
-
-    dataset: str
-    split: dict[str, object]
-    examples: list[Example]
-    validation: list[Example]
-    teacher: dict[str, object]
-    init_adapter: dict[str, object] | None = None
-
-
-def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
-    """Training examples (seeded, shuffled candidates; two orders each when the agreement term is on)
-    and validation prompts from the training users (always two orders: validation reports position
-    consistency)."""
-    dataset = load_dataset(settings.dataset)
-    split = UserSplit(settings.heldout_fraction, settings.split_salt)
-    training_users = split.training_users(dataset)
-    users = training_users
-    if settings.users:
-        users = sorted(random.Random(settings.seed).sample(users, min(settings.users, len(users))))
-    builder = PromptBuilder(tokenizer, dataset, template=PromptTemplate(label_position=settings.label_position))
-    stage = RetrievalIndex.fit(dataset, split) if settings.hard_negatives > 0 else None
-    requests = training_requests(dataset, users, settings.history, settings.candidates,
-                                 settings.steps * settings.accumulation, settings.seed, settings.window,
-                                 stage.hard_negatives if stage is not None else None, settings.hard_negatives)
-    if not requests:
-        raise SystemExit(f"no training positions: users need more than {settings.history + 2} interactions")
-    validation = validation_requests(dataset, users, settings.history, settings.candidates, settings.val_users,
-                                     settings.seed + 1)
-    rng = random.Random(f"{settings.seed}-orders")
-    training_orders = [candidate_orders(r, 2 if settings.consistency > 0 else 1, rng) for r in requests]
-    validation_orders = [candidate_orders(r, 2, rng) for r in validation]
-    teacher_record: dict[str, object] = {"kind": settings.teacher}
-    soft: list[list[list[float]] | None] = [None] * len(requests)
-    if settings.teacher == "item-knn":
-        # Every training user feeds the teacher, not only the sampled ones: more co-occurrence, no leak.
-        teacher = ItemKnnTeacher(dataset.histories, training_users)
-        soft = [[teacher.distribution(o.history, o.candidates, settings.teacher_temperature, o.user_id) for o in orders]
-                for orders in training_orders]
-        teacher_record |= {"weight": settings.teacher_weight, "temperature": settings.teacher_temperature,
-                           "validation": teacher_quality(teacher, ((r.user_id, r.history, r.candidates,
-                                                                    r.candidates.index(str(r.target)))
-                                                                   for r in validation))}
-        log.info("item-kNN teacher on the validation prompts: %s", teacher_record["validation"])
-    isolated, interaction = settings.scorer != "answer", settings.interaction_of_scorer()
-    examples = [Example.of(*(builder.build(o) for o in orders), soft=s, isolated=isolated,
-                           interaction=interaction)
-                for orders, s in zip(training_orders, soft, strict=True)]
-    described = {**split.describe(dataset), "training_users_used": len(users)}
-    if stage is not None:
-        described["hard_negatives"] = {"share": settings.hard_negatives, **stage.describe()}
-    return TrainingData(dataset.name, described,
-                        examples, [Example.of(*(builder.build(o) for o in orders), isolated=isolated,
-                                              interaction=interaction)
-                                   for orders in validation_orders],
-                        teacher_record)
 
 
 def check_tokenizer(tokenizer: Any, folder: Path, settings: FinetuneSettings) -> None:

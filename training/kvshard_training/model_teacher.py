@@ -81,7 +81,7 @@ class ScorerTeacher:
     def scores(self, inputs: tuple[IsolatedInputs, ...], alignment: torch.Tensor) -> torch.Tensor:
         """The teacher's scores [P, K] of each order's candidates. The scores are order-free, so one
         forward pass over the first order serves every order: ``alignment`` [P, K] says where order ``p``
-        puts the first order's ``i``-th candidate (:class:`kvshard_training.finetune.Example`)."""
+        puts the first order's ``i``-th candidate (:class:`kvshard_training.examples.Example`)."""
         first = isolated_scores(self.model, replace(inputs[0], interaction=self.interaction), self.readout)
         return torch.zeros(alignment.shape, dtype=first.dtype).scatter_(1, alignment, first.expand_as(alignment))
 

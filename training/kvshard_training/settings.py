@@ -60,6 +60,12 @@ class FinetuneSettings:
                                          "negatives only; validation stays uniform")
     window: int = setting(30, "training targets come from the N interactions before each user's "
                               "second-to-last (0 = all)")
+    positives: int = setting(1, "count the next N interactions of the user (up to the validation target, never "
+                                "it) as positives: each is among the prompt's candidates and the target's "
+                                "one-hot is spread evenly over them (users rate in sessions, so which "
+                                "session item comes next is close to arbitrary); 1 (the default: at 5 in the "
+                                "shipped 56-minute recipe held-out HR@1 stayed .309, NDCG@10 .581 → .598, "
+                                "within noise) = the next item only; validation keeps one target")
     users: int = setting(0, "training users drawn from (0 = every training user)")
     val_users: int = setting(48, "validation prompts (training users' second-to-last interactions)")
     val_every: int = setting(0, "validate every N steps as well as at the end (0 = only at the end)")
@@ -159,6 +165,9 @@ class FinetuneSettings:
                                              "candidate) and a positive --teacher-model-weight")
         if not 0.0 <= self.hard_negatives <= 1.0:
             raise settings_lib.SettingsError("--hard-negatives must be a share in [0, 1]")
+        if not 1 <= self.positives < self.candidates:
+            raise settings_lib.SettingsError("--positives must be at least 1 and below --candidates (a prompt keeps a "
+                                             "negative)")
         if self.minutes <= 0 or self.lr <= 0:
             raise settings_lib.SettingsError("--minutes and --lr must be positive")
 
