@@ -28,6 +28,7 @@ from kvshard_training.teacher import ItemKnnTeacher, teacher_quality
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Example:
     """One request as tensors, under one or more candidate orders of the same length: token ids [P, T],
