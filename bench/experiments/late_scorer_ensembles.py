@@ -53,7 +53,7 @@ import torch
 from kvshard.datasets import load_dataset
 from kvshard.models import model_template, resolve_model
 from kvshard.prompts import PromptBuilder, RecommendationRequest, sample_requests
-from kvshard.ranking import quality
+from kvshard.ranking import quality, standardized
 from kvshard.splits import UserSplit, validation_requests
 from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
 from kvshard_sidecar.engine.isolated_scorer import Readout, scoring_prompt
@@ -88,13 +88,8 @@ def model_scores(spec: str, dataset_name: str, name: str, requests: list[Recomme
     return out
 
 
-def zscores(values: list[float]) -> list[float]:
-    mean, spread = statistics.fmean(values), statistics.pstdev(values) or 1.0
-    return [(v - mean) / spread for v in values]
-
-
 def fused(scores: dict[str, list[list[float]]], weights: dict[str, float], request: int) -> list[float]:
-    columns = [[weight * z for z in zscores(scores[name][request])] for name, weight in weights.items()]
+    columns = [[weight * z for z in standardized(scores[name][request])] for name, weight in weights.items()]
     return [sum(column) for column in zip(*columns, strict=True)]
 
 
