@@ -18,16 +18,20 @@ each pod at its own moments, so the sum wanders around the level by about a tent
 HPA's tolerance: at the target level (1 ×) the autoscaler may already act, which the ramp accepts
 (it holds whatever level the decision came at and falls from there); 1.5 × is clear of the noise,
 and so is the bottom of the fall. Each level lasts the query's window plus two evaluation periods,
-so the query has seen it whole; a falling level adds the scale-down stabilisation window; after
-scale-in the load stays for as long as the rise took. The whole ramp is bounded by ``timeout_s``: if
-the autoscaler never decides, the ramp ends with an ``outcome`` that says where it stopped and why,
-and what was recorded up to then is still reported (:mod:`kvshard_local.ramp_timeline`).
+so the query has seen it whole; a falling level adds the scale-down stabilisation window. After
+scale-in the load drops to the bottom of the fall (at 1 × on the minimum pods noise could add the pod
+back) and stays for as long as the rise took, counted from the last change settled: on a starved
+machine the pressure's latency half can still add a pod, and 'after' then starts once that settled.
+The whole ramp is bounded by ``timeout_s``: if the autoscaler never decides, the ramp ends with an
+``outcome`` that says where it stopped and why, and what was recorded up to then is still reported
+(:mod:`kvshard_local.ramp_timeline`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -198,12 +202,21 @@ class LoadRamp:
             return (f"the autoscaler did not remove a pod within the ramp's {self.timeout_s:.0f} s (last query value "
                     f"{self.samples[-1].total if self.samples else float('nan'):.2f}; it removes one at or below "
                     f"{rules.min_replicas * rules.target:.2f})")
-        self._set("settle", self.level)
+        # The target level (1 ×) is where noise may act in either direction, so the load settles at the
+        # bottom of the fall, clear of it, whatever level the decision came at.
+        self._set("settle", plan.fall[-1])
         if not self._wait(self._shrunk_and_settled, deadline, deadline):
             return ("the autoscaler removed a pod but the placement did not settle within the ramp's "
                     f"{self.timeout_s:.0f} s")
-        self._wait(lambda: False, time.monotonic() + plan.after_s, deadline)
-        return "complete"
+        # 'after' is the stretch after the last change settled: a change within it (a starved machine's
+        # latency half can still push the sum over) starts the stretch again once that change settled.
+        while True:
+            changed = functools.partial(self._changed_since, len(self._changes()))
+            if not self._wait(changed, time.monotonic() + plan.after_s, deadline):
+                return "complete"
+            if not self._wait(self._last_change_settled, deadline, deadline):
+                return (f"the autoscaler changed the pods again after scale-in ({len(self._changes())} changes) "
+                        f"and the placement did not settle within the ramp's {self.timeout_s:.0f} s")
 
     def _set(self, phase: str, level: int) -> None:
         with self._lock:
@@ -248,10 +261,25 @@ class LoadRamp:
 
     def _shrunk_and_settled(self) -> bool:
         shrunk = [c for _, c in self._changes() if len(c.after) < len(c.before)]
-        if not shrunk or not self.samples:
+        return bool(shrunk) and self._serving_exactly(shrunk[-1].after)
+
+    def _last_change_settled(self) -> bool:
+        changes = self._changes()
+        return (not self._decided_pending() and bool(changes)
+                and self._serving_exactly(changes[-1][1].after))
+
+    def _changed_since(self, seen: int) -> bool:
+        return len(self._changes()) > seen or self._decided_pending()
+
+    def _decided_pending(self) -> bool:
+        return self.autoscaler.pending is not None
+
+    def _serving_exactly(self, pods: Any) -> bool:
+        """The latest poll's placement names exactly ``pods`` and every one of them serves."""
+        if not self.samples:
             return False
-        last, after = self.samples[-1], shrunk[-1].after
-        return set(last.placed) == set(after) and all(last.pods.get(p) == "serving" for p in after)
+        last = self.samples[-1]
+        return set(last.placed) == set(pods) and all(last.pods.get(p) == "serving" for p in pods)
 
     def _now(self) -> float:
         return time.time() - self._t0
