@@ -1,5 +1,5 @@
 """One reconciliation of one CacheShard, from the whole object: validate → pods → catalog →
-clusters → assignment (minimal moves from what etcd holds) → publish → status.
+clusters (:mod:`clustering`) → assignment (minimal moves from what etcd holds) → publish → status.
 
 The catalog is published beside the generation (:mod:`kvshard.catalog_schema`) and a changed
 catalog is applied as a diff (:mod:`catalog_update`): unchanged items keep their clusters. A
@@ -21,9 +21,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from kvshard import etcd_store
 from kvshard import placement_schema as ps
 from kvshard.etcd_tls import EtcdTLS
@@ -32,19 +29,17 @@ from kvshard.rebalance import RebalanceState
 from kvshard_operator import catalog as catalogs
 from kvshard_operator import catalog_update as updates
 from kvshard_operator import catalog_vectors as given
-from kvshard_operator import conditions as cond
 from kvshard_operator import (
+    clustering,
     embed_job,
-    embedding,
     etcd_clients,
     metrics,
     placement,
-    placement_large,
     selectors,
     validation,
 )
+from kvshard_operator import conditions as cond
 from kvshard_operator.settings import Settings
-from kvshard_operator.vectors import ArrayVectors
 
 SecretReader = Callable[[str, str], Mapping[str, bytes]]
 """(namespace, name) → a Secret's data, decoded; raises ValueError when it cannot be read."""
@@ -118,98 +113,6 @@ def _fail(status: Mapping[str, Any], generation: int | None, reason: str, messag
     conditions = cond.set_condition(conditions, cond.READY, cond.FALSE, reason, message,
                                     observed_generation=generation)
     return {"observedGeneration": generation, "conditions": conditions}
-
-
-def _cluster(loaded: given.Loaded, k: int, settings: Settings, state: ShardState) -> dict[str, int]:
-    """item → cluster, recomputed only when the catalog, its vectors, k or the clustering settings
-    change. Given vectors skip the model; catalogs of ``settings.large_placement_items`` or more are
-    clustered in bounded memory (:mod:`placement_large`), and its centroids are the ones later
-    catalog changes are placed against."""
-    cat = loaded.catalog
-    large = len(cat) >= settings.large_placement_items
-    key = (cat.content_hash, loaded.digest, k, settings.seed, settings.slack_percent, settings.cooccurrence_percent,
-           large)
-    if state.labels_key == key:
-        return state.labels
-    raw: npt.NDArray[np.floating] = (embedding.embed_catalog(cat.ids, cat.texts) if loaded.vectors is None
-                                     else loaded.vectors)
-    if large:
-        result = placement_large.cluster_large(ArrayVectors(raw), k, seed=settings.seed,
-                                               slack_percent=settings.slack_percent)
-        labels = result.labels.tolist()
-        state.centroids = result.update_centroids()
-    else:
-        vectors = np.asarray(raw, dtype=np.float32)
-        if settings.cooccurrence_percent and cat.histories:
-            row = {item: i for i, item in enumerate(cat.ids)}
-            histories = [[row[i] for i in h if i in row] for h in cat.histories]
-            vectors = placement.pull_cooccurring(vectors, histories, settings.cooccurrence_percent)
-        labels = [int(c) for c in placement.cluster_items(vectors, k, seed=settings.seed,
-                                                          slack_percent=settings.slack_percent)]
-        state.centroids = updates.Centroids.from_vectors(np.asarray(raw, dtype=np.float32), labels, k)
-    state.labels_key, state.labels = key, dict(zip(cat.ids, labels, strict=True))
-    state.centroids_key = (cat.content_hash, k)
-    return state.labels
-
-
-async def _labels(loaded: given.Loaded, k: int, previous: ps.Placement | None, store: etcd_store.EtcdStore,
-                  namespace: str, name: str, settings: Settings, state: ShardState,
-                  logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
-                  ) -> tuple[dict[str, int], updates.Update | None]:
-    """item → cluster: the previous generation's when the catalog did not change, the previous ones
-    plus a diff when it did (no re-clustering) unless the diff drifted past
-    ``settings.recluster_imbalance_percent`` (then a full clustering matched to the old ids), a full
-    clustering when there is no catalog-aware previous generation or ``spec.clusters`` changed.
-    Given vectors are read, never embedded."""
-    cat = loaded.catalog
-    source = None if loaded.vectors is None else ArrayVectors(loaded.vectors)
-    if previous is not None and previous.catalog and len(previous.assignment) == k:
-        if previous.catalog == cat.version:
-            return dict(previous.item_clusters), None
-        old = state.catalog if state.catalog is not None and state.catalog.version == previous.catalog else None
-        if old is None:
-            try:
-                old = await store.read_catalog(namespace, name, previous.catalog)
-            except catalogs.CatalogError as exc:
-                logger.warning("previous catalog unreadable (%s); clustering from scratch", exc)
-        if old is not None:
-            centroids = state.centroids if state.centroids_key == (old.version, k) else None
-            if centroids is None:  # after a restart; given vectors exist for the new catalog's rows only
-                centroids = await asyncio.to_thread(updates.sample_centroids, old if source is None else cat,
-                                                    previous.item_clusters, k, embedding.embed_texts,
-                                                    seed=settings.seed, source=source)
-            update = await asyncio.to_thread(updates.apply_change, old, cat, previous.item_clusters, centroids,
-                                             embedding.embed_texts, slack_percent=settings.slack_percent,
-                                             source=source)
-            drift = updates.imbalance(update.labels)
-            update = dataclasses.replace(update, drift=drift)
-            if updates.drifted(update.labels, settings.recluster_imbalance_percent):
-                # the same clustering as the first placement, computed afresh (not from the cache, so
-                # its centroids are in its own ids), then matched to the old ids
-                state.labels_key = None
-                fresh = await asyncio.to_thread(_cluster, loaded, k, settings, state)
-                update, mapping = updates.recluster(update, previous.item_clusters, fresh, k)
-                fresh_centroids = state.centroids  # set by _cluster, in the fresh ids
-                if fresh_centroids is None:
-                    raise RuntimeError("clustering left no centroids")
-                centroids = fresh_centroids.relabel(mapping)
-                state.labels = dict(update.labels)
-                logger.info("catalog drifted to %d %% imbalance (> %d %%): re-clustered, %d unchanged items moved "
-                            "(%d forced by the balance cap)", round(drift * 100), settings.recluster_imbalance_percent,
-                            update.moved_unchanged,
-                            updates.forced_moves({i: previous.item_clusters[i] for i in update.labels
-                                                  if i in previous.item_clusters}, k, settings.slack_percent))
-            state.centroids, state.centroids_key = centroids, (cat.version, k)
-            return update.labels, update
-    return await asyncio.to_thread(_cluster, loaded, k, settings, state), None
-
-
-def _cluster_bytes(cat: catalogs.Catalog, labels: Mapping[str, int], bytes_per_token: int) -> dict[int, int]:
-    """Estimated KV bytes per cluster: ~4 characters per token, plus one token per item."""
-    sizes = np.zeros(max(labels.values(), default=-1) + 1, dtype=np.int64)
-    for item, text in zip(cat.ids, cat.texts, strict=True):
-        sizes[labels[item]] += (len(text) // 4 + 1) * bytes_per_token
-    return {c: int(b) for c, b in enumerate(sizes)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +257,8 @@ async def reconcile(
             current = await store.current_generation(namespace, name)
             previous = await store.read_generation(namespace, name, current) if current else None
             try:
-                labels, change = await _labels(loaded, k, previous, store, namespace, name, settings, state, logger)
+                labels, change = await clustering.catalog_labels(loaded, k, previous, store, namespace, name,
+                                                                 settings, state, logger)
             except catalogs.CatalogError as exc:
                 metrics.INVALID.labels(exc.reason).inc()
                 return Outcome(_fail(status, generation, exc.reason, str(exc)), reason=exc.reason)
@@ -370,7 +274,8 @@ async def reconcile(
             try:
                 # pods/resume/retry keep the rebalancer's extra replicas of hot clusters; a spec edit re-places
                 keep_hot = trigger != "spec"
-                replicas, sizes = int(spec["itemReplicas"]), _cluster_bytes(cat, labels, settings.kv_bytes_per_token)
+                replicas = int(spec["itemReplicas"])
+                sizes = clustering.cluster_bytes(cat, labels, settings.kv_bytes_per_token)
                 capacities = dict.fromkeys(live, capacity)
                 assignment = placement.assign_clusters(
                     clusters, capacities, replicas=replicas,

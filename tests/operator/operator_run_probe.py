@@ -8,8 +8,8 @@ each group is followed to what uses it, with the handlers' own ``SETTINGS``:
 * kopf: ``kopf.run``'s arguments, the metrics port, and the startup handler on a fresh OperatorSettings;
 * timers: the kopf registry's intervals and initial delays; the rebalancer's PromQL window and the
   Prometheus deadline (a fake store and Prometheus);
-* placement: the clustering the reconciler runs (``reconcile._cluster``: seed, slack, co-occurrence, the
-  large-catalog threshold), whether a catalog change re-clusters (``reconcile._labels``), the KV bytes
+* placement: the clustering the reconciler runs (``clustering.cluster``: seed, slack, co-occurrence, the
+  large-catalog threshold), whether a catalog change re-clusters (``clustering.catalog_labels``), the KV bytes
   per cluster;
 * etcd & retry: the delete handler's etcd deadline and its retry delays;
 * embedding: the Job the reconciler creates for a catalog (``reconcile._embed`` with a fake Job API).
@@ -128,7 +128,7 @@ async def timers_group(handlers: Any) -> dict[str, Any]:
 
 def placement_group(handlers: Any) -> dict[str, Any]:
     from kvshard.catalog_schema import Catalog
-    from kvshard_operator import reconcile
+    from kvshard_operator import clustering
     from kvshard_operator.catalog_vectors import Loaded
     from kvshard_operator.reconcile import ShardState
 
@@ -137,14 +137,14 @@ def placement_group(handlers: Any) -> dict[str, Any]:
     catalog = Catalog(tuple(f"i{i}" for i in range(n)), tuple(f"item number {i}" for i in range(n)))
     vectors = np.random.default_rng(0).standard_normal((n, 8)).astype(np.float16)
     state = ShardState()
-    labels = reconcile._cluster(Loaded(catalog, vectors), 3, settings, state)
+    labels = clustering.cluster(Loaded(catalog, vectors), 3, settings, state)
     key = state.labels_key
     assert key is not None
     return {"cluster_key": {"seed": key[3], "slack_percent": key[4], "cooccurrence_percent": key[5],
                             "large": key[6]}, "labelled": len(labels),
             "catalog_change": asyncio.run(catalog_change(settings, catalog, vectors)),
-            "bytes": [int(v) for v in reconcile._cluster_bytes(catalog, labels, settings.kv_bytes_per_token).values()],
-            "bytes_per_1": [int(v) for v in reconcile._cluster_bytes(catalog, labels, 1).values()]}
+            "bytes": [int(v) for v in clustering.cluster_bytes(catalog, labels, settings.kv_bytes_per_token).values()],
+            "bytes_per_1": [int(v) for v in clustering.cluster_bytes(catalog, labels, 1).values()]}
 
 
 async def catalog_change(settings: Any, old: Any, vectors: Any) -> dict[str, Any]:
@@ -152,7 +152,7 @@ async def catalog_change(settings: Any, old: Any, vectors: Any) -> dict[str, Any
     reconciler's ``_labels``: it re-clusters only above ``recluster_imbalance_percent`` (and says so)."""
     from kvshard import placement_schema as ps
     from kvshard.catalog_schema import Catalog
-    from kvshard_operator import catalog_update, reconcile
+    from kvshard_operator import catalog_update, clustering
     from kvshard_operator.catalog_vectors import Loaded
     from kvshard_operator.reconcile import ShardState
 
@@ -175,7 +175,7 @@ async def catalog_change(settings: Any, old: Any, vectors: Any) -> dict[str, Any
     logger = logging.getLogger("operator_run_probe.labels")
     logger.addHandler(Said())
     logger.propagate = False
-    _, update = await reconcile._labels(Loaded(new, vectors[keep]), k, previous, None, "probe",  # type: ignore[arg-type]
+    _, update = await clustering.catalog_labels(Loaded(new, vectors[keep]), k, previous, None, "probe",  # type: ignore[arg-type]
                                         "shard", settings, state, logger)
     return {"drift_percent": None if update is None else round((update.drift or 0) * 100),
             "reclustered": [m for m in said if "re-clustered" in m]}

@@ -15,7 +15,7 @@ import pytest
 from kvshard import placement_schema as ps
 from kvshard.catalog_schema import Catalog
 from kvshard_operator import catalog_update as updates
-from kvshard_operator import placement, reconcile
+from kvshard_operator import clustering, placement, reconcile
 from kvshard_operator import settings as settings_module
 from kvshard_operator.catalog_vectors import Loaded
 from kvshard_operator.settings import Settings
@@ -127,7 +127,7 @@ def test_the_threshold_is_read_from_env_and_flags() -> None:
 
 @pytest.mark.parametrize("threshold", [150, 0])
 def test_the_operator_reclusters_a_drifted_change_with_ids_matched(threshold: int) -> None:
-    """``reconcile._labels`` (the catalog timer's path) on given vectors: a draining change re-clusters
+    """``clustering.catalog_labels`` (the catalog timer's path) on given vectors: a draining change re-clusters
     at 150 % and keeps the diff at 0 (never)."""
     cat, vectors, labels = first_placement()
     drained = drain(cat, labels, range(3), keep=20)
@@ -139,7 +139,7 @@ def test_the_operator_reclusters_a_drifted_change_with_ids_matched(threshold: in
     previous = ps.Placement(generation=1, assignment={c: ("pod",) for c in range(K)}, item_clusters=labels,
                             catalog=cat.version)
     loaded = Loaded(drained, vectors[[row[i] for i in drained.ids]].astype(np.float16))
-    new_labels, update = asyncio.run(reconcile._labels(loaded, K, previous, Any, "ns", "shard", settings, state,
+    new_labels, update = asyncio.run(clustering.catalog_labels(loaded, K, previous, Any, "ns", "shard", settings, state,
                                                        logging.getLogger("test")))
     assert update is not None and update.drift == pytest.approx(100 / 60)
     if threshold:
