@@ -123,7 +123,7 @@ def test_a_position_bias_is_a_disagreement_and_its_gradient_reaches_both_orders(
     # the model favours the first place whatever stands there: item 0 in order 0, item 1 in order 1
     logits = _two_orders([3.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0]).requires_grad_()
     disagreement = order_disagreement(logits, LABELS, ALIGNMENT)
-    assert float(disagreement) > 1.0
+    assert float(disagreement.detach()) > 1.0
     disagreement.backward()
     assert logits.grad is not None
     assert set(logits.grad.abs().sum(0).nonzero().flatten().tolist()) == set(LABELS.tolist())
