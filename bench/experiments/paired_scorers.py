@@ -10,8 +10,9 @@ on the held-out requests whose target the retrieval stage retrieved (``--candida
 1 : 1 with item-kNN (what the sidecar serves a request that carries the retrieval stage's scores), and
 the paired differences candidate − baseline in HR@1 and NDCG@10.
 
-Run: ``.venv/bin/python bench/experiments/paired_scorers.py BASELINE CANDIDATE`` — model names or merged
-folders (~4 min per model and set on 2 idle cores; scores cached in /tmp/late_scorer_ensembles/).
+Run: ``.venv/bin/python bench/experiments/paired_scorers.py BASELINE CANDIDATE [VALIDATION]`` — model names or
+merged folders, and optionally how many validation prompts (default 96); ~1 s per prompt and model on 2 idle
+cores, scores cached in /tmp/late_scorer_ensembles/.
 """
 
 from __future__ import annotations
@@ -29,17 +30,18 @@ from kvshard.splits import UserSplit, validation_requests
 from kvshard_training.teacher import ItemKnnTeacher
 
 
-def main(baseline: str, candidate: str) -> None:
+def main(baseline: str, candidate: str, validation_prompts: int = 96) -> None:
     dataset = load_dataset("movielens-100k")
     split = UserSplit()
     training_users = split.training_users(dataset)
     knn = ItemKnnTeacher(dataset.histories, training_users)
     stage = retrieval_requests(split.heldout_dataset(dataset), RetrievalIndex.fit(dataset, split), 191, 10, 20)
     sets = {"held-out": sample_requests(split.heldout_dataset(dataset), 191, 10, 20, 0),
-            "validation": validation_requests(dataset, training_users, 10, 20, 96, 1),
+            "validation" + ("" if validation_prompts == 96 else str(validation_prompts)):
+                validation_requests(dataset, training_users, 10, 20, validation_prompts, 1),
             "retrieved": [r.request for r in stage if r.retrieved]}
     for name, requests in sets.items():
-        scores = {"knn": [knn.scores(r.history, r.candidates, None if name == "held-out" else r.user_id)
+        scores = {"knn": [knn.scores(r.history, r.candidates, r.user_id if name.startswith("validation") else None)
                           for r in requests],
                   "baseline": model_scores(baseline, dataset.name, name, requests),
                   "candidate": model_scores(candidate, dataset.name, name, requests)}
@@ -61,6 +63,6 @@ def main(baseline: str, candidate: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (3, 4):
         raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *(int(n) for n in sys.argv[3:]))

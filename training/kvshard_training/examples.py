@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from kvshard.datasets import load_dataset
-from kvshard.prompts import PromptBuilder, PromptTemplate, RecommendationPrompt, candidate_orders
+from kvshard.prompts import (
+    PromptBuilder,
+    PromptTemplate,
+    RecommendationPrompt,
+    RecommendationRequest,
+    candidate_orders,
+)
+from kvshard.ranking import standardized
 from kvshard.retrieval import RetrievalIndex
 from kvshard.segments import SegmentKind
 from kvshard.splits import UserSplit, training_requests, validation_requests
@@ -48,10 +55,14 @@ class Example:
     positives: torch.Tensor | None = None
     """With later targets (``--positives``): each order's hard target [P, K], spread evenly over the target
     and the later targets; ``None``: the one-hot of ``targets``."""
+    stage: torch.Tensor | None = None
+    """With ``--retrieval-weight W``: what the retrieval stage adds to each order's served ranking [P, K],
+    ``W · z(stage score)`` (:func:`kvshard.ranking.fuse_scores`), the prompt's own user left out of the score."""
 
     @classmethod
     def of(cls, *orders: RecommendationPrompt, soft: Sequence[Sequence[float]] | None = None,
-           isolated: bool = False, interaction: int | None = None) -> Example:
+           isolated: bool = False, interaction: int | None = None,
+           stage: Sequence[Sequence[float]] | None = None) -> Example:
         """The same request built under each candidate order (the first is the reference)."""
         first = orders[0]
         if any(o.target_index is None for o in orders):
@@ -71,7 +82,8 @@ class Example:
                    torch.tensor(alignment, dtype=torch.long),
                    None if soft is None else torch.tensor(soft, dtype=torch.float32),
                    torch.tensor([label_positions(o) for o in orders], dtype=torch.long),
-                   tuple(IsolatedInputs.of(o, interaction) for o in orders) if isolated else (), positives)
+                   tuple(IsolatedInputs.of(o, interaction) for o in orders) if isolated else (), positives,
+                   None if stage is None else torch.tensor(stage, dtype=torch.float32))
 
     @property
     def orders(self) -> int:
@@ -86,7 +98,19 @@ class Example:
             return self
         return Example(self.input_ids.to(device), self.label_ids.to(device), self.targets.to(device),
                        self.alignment.to(device), move(self.soft), move(self.label_positions), self.isolated,
-                       move(self.positives))
+                       move(self.positives), move(self.stage))
+
+
+def stage_terms(teacher: ItemKnnTeacher, orders: Sequence[RecommendationRequest],
+                weight: float) -> list[list[float]] | None:
+    """``weight · z(stage score)`` of each order's candidates (``None`` when ``weight`` is 0): the stage's part
+    of the ranking it serves (:func:`kvshard.ranking.fuse_scores`). The score is the stage's co-occurrence sum
+    with the request's own user left out, so on a training user it behaves as the stage does on a user it
+    never counted (the benchmarks' and a live request's)."""
+    if weight <= 0:
+        return None
+    return [[weight * z for z in standardized(teacher.stage_scores(o.history, o.candidates, o.user_id))]
+            for o in orders]
 
 
 def label_positions(built: RecommendationPrompt) -> list[int]:
@@ -140,9 +164,9 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
     validation_orders = [candidate_orders(r, 2, rng) for r in validation]
     teacher_record: dict[str, object] = {"kind": settings.teacher}
     soft: list[list[list[float]] | None] = [None] * len(requests)
+    # Every training user feeds the teacher, not only the sampled ones: more co-occurrence, no leak.
+    teacher = ItemKnnTeacher(dataset.histories, training_users)
     if settings.teacher == "item-knn":
-        # Every training user feeds the teacher, not only the sampled ones: more co-occurrence, no leak.
-        teacher = ItemKnnTeacher(dataset.histories, training_users)
         soft = [[teacher.distribution(o.history, o.candidates, settings.teacher_temperature, o.user_id) for o in orders]
                 for orders in training_orders]
         teacher_record |= {"weight": settings.teacher_weight, "temperature": settings.teacher_temperature,
@@ -152,16 +176,22 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
         log.info("item-kNN teacher on the validation prompts: %s", teacher_record["validation"])
     isolated, interaction = settings.scorer != "answer", settings.interaction_of_scorer()
     examples = [Example.of(*(builder.build(o) for o in orders), soft=s, isolated=isolated,
-                           interaction=interaction)
+                           interaction=interaction, stage=stage_terms(teacher, orders, settings.retrieval_weight))
                 for orders, s in zip(training_orders, soft, strict=True)]
     described = {**split.describe(dataset), "training_users_used": len(users)}
     if settings.positives > 1:
         described["positives"] = {"next_items": settings.positives,
                                   "mean_per_prompt": sum(1 + len(r.later_targets) for r in requests) / len(requests)}
+    if settings.retrieval_weight > 0:
+        described["retrieval_fusion"] = {
+            "weight": settings.retrieval_weight,
+            "stage_score": "item-kNN co-occurrence summed over the history (kvshard.retrieval's score), over the "
+                           "training users before their second-to-last interaction, the prompt's own user left out"}
     if stage is not None:
         described["hard_negatives"] = {"share": settings.hard_negatives, **stage.describe()}
     return TrainingData(dataset.name, described,
                         examples, [Example.of(*(builder.build(o) for o in orders), isolated=isolated,
-                                              interaction=interaction)
+                                              interaction=interaction,
+                                              stage=stage_terms(teacher, orders, settings.retrieval_weight))
                                    for orders in validation_orders],
                         teacher_record)

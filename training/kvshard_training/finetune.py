@@ -25,6 +25,11 @@ the model's choice depends on the items:
   the candidates against the same target (:func:`mixed_cross_entropy`): K graded signals per request
   at no extra compute. Off by default: measured at a 50-minute budget it raised validation
   consistency (two orders .74 at step 403) but not held-out users' (README, "Models").
+* optionally (``--retrieval-weight W``, isolated or late scorers) the loss reads the ranking as it is
+  served behind a retrieval stage, ``z(scores) + W · z(stage score)`` (:func:`served_scores`), times one
+  learned scale: the model learns what the stage misses. Off by default: at the shipped budget it served
+  held-out users better and training users' next items no better, every paired interval holding 0
+  (docs/experiments.md), and alone such a model ranks near chance.
 * ``--scorer isolated`` trains the isolated scorer instead (:mod:`kvshard_sidecar.engine.isolated_scorer`):
   no answer position, each candidate scored alone from the prefix and its own item, the same mixed
   cross-entropy over the K scores. Its ranking cannot depend on the candidate order.
@@ -153,11 +158,12 @@ def order_disagreement(logits: torch.Tensor, label_ids: torch.Tensor, alignment:
                   + F.kl_div(second, first, log_target=True, reduction="sum"))
 
 
-def example_loss(causal_lm: Any, example: Example, settings: FinetuneSettings, readout: int) -> torch.Tensor:
+def example_loss(causal_lm: Any, example: Example, settings: FinetuneSettings, readout: int,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """One training example's loss under ``settings``: the isolated scores' cross-entropy, or the answer's
     label loss plus the optional pointwise and order-agreement terms."""
     if example.isolated:
-        return isolated_loss(order_scores(causal_lm, example, readout), example, settings)
+        return isolated_loss(order_scores(causal_lm, example, readout), example, settings, scale)
     logits, scores = answer_and_label_logits(causal_lm, example.input_ids,
                                              example.label_positions if settings.pointwise > 0 else None, readout)
     loss = label_loss(logits, example.label_ids, example.targets, example.soft, settings.teacher_weight,
@@ -170,24 +176,41 @@ def example_loss(causal_lm: Any, example: Example, settings: FinetuneSettings, r
     return loss
 
 
-def isolated_loss(scores: torch.Tensor, example: Example, settings: FinetuneSettings) -> torch.Tensor:
-    """An isolated or late example's loss from its orders' scores [P, K]: the mixed cross-entropy."""
+def isolated_loss(scores: torch.Tensor, example: Example, settings: FinetuneSettings,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """An isolated or late example's loss from its orders' scores [P, K]: the mixed cross-entropy — of the
+    served fusion ``scale · (z(scores) + stage)`` when the example carries the stage's part (``--retrieval-weight``)."""
+    if example.stage is not None:
+        if scale is None:
+            raise ValueError("an example with the retrieval stage's scores needs the fusion's learned scale")
+        scores = scale * served_scores(scores, example.stage)
     return mixed_cross_entropy(scores, example.targets, example.soft, settings.teacher_weight, example.positives)
 
 
+def served_scores(scores: torch.Tensor, stage: torch.Tensor | None) -> torch.Tensor:
+    """The ranking as served: ``scores`` [P, K] alone, or ``z(scores) + stage`` where ``stage`` holds the
+    retrieval stage's ``W · z(score)`` [P, K] — :func:`kvshard.ranking.fuse_scores` in torch, differentiable."""
+    if stage is None:
+        return scores
+    mean = scores.mean(-1, keepdim=True)
+    spread = scores.std(-1, unbiased=False, keepdim=True)
+    return torch.where(spread > 0, (scores - mean) / spread.clamp_min(1e-12), 0.0) + stage
+
+
 def batch_losses(causal_lm: Any, examples: Sequence[Example], settings: FinetuneSettings,
-                 readout: int) -> list[torch.Tensor]:
+                 readout: int, scale: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each example's :func:`example_loss`, from one forward pass over all of them when there are several
-    (isolated or late examples: :func:`batched_isolated_scores`); one example takes today's path unchanged."""
+    (isolated or late examples: :func:`batched_isolated_scores`); one example takes today's path unchanged.
+    ``scale``: the learned temperature of the served fusion (``--retrieval-weight``)."""
     if len(examples) == 1:
-        return [example_loss(causal_lm, examples[0], settings, readout)]
+        return [example_loss(causal_lm, examples[0], settings, readout, scale)]
     if not all(e.isolated for e in examples):
         raise ValueError("only isolated or late examples are scored in batches (--batch needs --scorer isolated "
                          "or late)")
     scores = batched_isolated_scores(causal_lm, [inputs for e in examples for inputs in e.isolated], readout)
     losses, start = [], 0
     for example in examples:
-        losses.append(isolated_loss(torch.stack(scores[start:start + example.orders]), example, settings))
+        losses.append(isolated_loss(torch.stack(scores[start:start + example.orders]), example, settings, scale))
         start += example.orders
     return losses
 
@@ -212,18 +235,25 @@ def order_scores(causal_lm: Any, example: Example, readout: int) -> torch.Tensor
 
 @torch.inference_mode()
 def evaluate(causal_lm: Any, examples: Sequence[Example], readout: int = 0) -> dict[str, float]:
-    """Mean label-restricted loss, HR@1/HR@5/NDCG@10 (averaged over each example's candidate orders),
+    """Mean label-restricted loss, HR@1/HR@5/NDCG@10 (averaged over each example's candidate orders; of the
+    served fusion for examples with the stage's scores, and then ``alone_*`` of the model's own ranking),
     the most chosen label's share and — for examples with several orders — ``position_consistency``,
     the share whose chosen item is the same under every order (the recommender bench's measure)."""
     totals = dict.fromkeys(QUALITY_METRICS, 0.0)
+    alone = dict.fromkeys(QUALITY_METRICS, 0.0)
     loss = 0.0
     chosen: Counter[int] = Counter()
-    consistent = compared = answers = 0
+    consistent = compared = answers = fused = 0
     for example in examples:
-        all_scores = order_scores(causal_lm, example, readout)
+        model_scores = order_scores(causal_lm, example, readout)
+        all_scores = served_scores(model_scores, example.stage)
         loss += float(F.cross_entropy(all_scores, example.targets)) * example.orders
         items = set()
         for order in range(example.orders):
+            if example.stage is not None:
+                fused += 1
+                for name, value in quality(model_scores[order].tolist(), int(example.targets[order])).items():
+                    alone[name] += value
             scores = all_scores[order].tolist()
             best = best_index(scores)
             chosen[best] += 1
@@ -240,6 +270,8 @@ def evaluate(causal_lm: Any, examples: Sequence[Example], readout: int = 0) -> d
     result["max_label_share"] = max(chosen.values()) / n if chosen else 0.0
     if compared:
         result["position_consistency"] = consistent / compared
+    if fused:
+        result |= {f"alone_{name}": value / fused for name, value in alone.items()}
     result["prompts"] = float(len(examples))
     return result
 
@@ -311,7 +343,10 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
         scorer_teacher.check_base(base["tokenizer"])
         data.teacher = {**data.teacher, "scorer": scorer_teacher.describe(settings.teacher_model_weight)}
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
+    # The served fusion's z-scores are unit-free; the softmax over them needs a temperature, learned (log scale).
+    log_scale = torch.nn.Parameter(torch.tensor(1.0, device=device)) if settings.retrieval_weight > 0 else None
+    optimizer = torch.optim.AdamW([*trainable, *([log_scale] if log_scale is not None else [])], lr=settings.lr,
+                                  weight_decay=settings.weight_decay)
     curve = LossCurve()
     ema: float | None = None
     last: dict[str, float] | None = None
@@ -332,7 +367,8 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
             batch = [taught(example, scorer_teacher, settings) for example in batch]
         step_loss = 0.0
         for start in range(0, len(batch), settings.batch):
-            losses = batch_losses(causal_lm, batch[start:start + settings.batch], settings, readout)
+            losses = batch_losses(causal_lm, batch[start:start + settings.batch], settings, readout,
+                                  None if log_scale is None else log_scale.exp())
             torch.autograd.backward(torch.stack(losses).sum() / len(batch))
             step_loss += sum(float(loss.detach()) for loss in losses) / len(batch)
         if settings.clip > 0:
@@ -353,6 +389,9 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     if last is None or last["step"] != done_steps:
         last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
     save_adapter(peft_model, out, base["name"])
+    fusion = data.split.get("retrieval_fusion")
+    if log_scale is not None and isinstance(fusion, dict):
+        fusion["learned_scale"] = round(float(log_scale.detach().exp()), 4)
     write_provenance(out, settings, base, data, curve, done_steps, done_examples, elapsed, last, device)
     log.info("adapter, curve and provenance written to %s (%.1f min)", out, elapsed / 60)
     return FinetuneResult(out, done_steps, done_examples, elapsed, last)
@@ -368,8 +407,10 @@ def _validate(peft_model: Any, causal_lm: Any, validation: Sequence[Example], cu
     curve.validation.append(result)
     curve.write(out, png=True)
     log.info("validation at step %d: loss %.3f, HR@1 %.3f, HR@5 %.3f, NDCG@10 %.3f, max label share %.2f, "
-             "position consistency %.2f", step, result["loss"], result["hr1"], result["hr5"], result["ndcg10"],
-             result["max_label_share"], result.get("position_consistency", float("nan")))
+             "position consistency %.2f%s", step, result["loss"], result["hr1"], result["hr5"], result["ndcg10"],
+             result["max_label_share"], result.get("position_consistency", float("nan")),
+             f" (fused with the retrieval stage's score; the model alone: HR@1 {result['alone_hr1']:.3f}, "
+             f"NDCG@10 {result['alone_ndcg10']:.3f})" if "alone_hr1" in result else "")
     return result
 
 

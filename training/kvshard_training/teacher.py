@@ -51,6 +51,13 @@ class ItemKnnTeacher:
                 + self.POPULARITY_WEIGHT * math.log1p(len(self._users_of.get(c, set()) - {without}))
                 for c in candidates]
 
+    def stage_scores(self, history: Sequence[str], candidates: Sequence[str],
+                     without: str | None = None) -> list[float]:
+        """The retrieval stage's score (:meth:`kvshard.retrieval.RetrievalIndex.scores`: the summed similarity
+        to the distinct history items, no popularity term) with ``without`` left out of the counts."""
+        distinct = list(dict.fromkeys(history))
+        return [sum(self.similarity(h, c, without) for h in distinct if h != c) for c in candidates]
+
     def distribution(self, history: Sequence[str], candidates: Sequence[str], temperature: float,
                      without: str | None = None) -> list[float]:
         """Softmax over the candidates of their standardised scores / ``temperature`` (scale-free, so
