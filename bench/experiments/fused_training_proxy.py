@@ -49,10 +49,9 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from multi_positive_proxy import EXAMPLES, HISTORY, SEEDS, rank_of, requests  # noqa: E402
+from multi_positive_proxy import EXAMPLES, HISTORY, SEEDS, rank_of, requests, train  # noqa: E402
 
 from kvshard.datasets import load_dataset  # noqa: E402
 from kvshard.prompts import RecommendationRequest, sample_requests  # noqa: E402
@@ -60,45 +59,6 @@ from kvshard.ranking import fuse_scores, quality  # noqa: E402
 from kvshard.retrieval import RetrievalIndex, quality_or_miss, retrieval_requests  # noqa: E402
 from kvshard.splits import UserSplit, validation_requests  # noqa: E402
 from kvshard_training.teacher import ItemKnnTeacher  # noqa: E402
-
-
-def zscores(scores: torch.Tensor) -> torch.Tensor:
-    return (scores - scores.mean()) / scores.std(unbiased=False).clamp_min(1e-6)
-
-
-def train(dataset, examples, teacher, seed, fused, teacher_weight):  # type: ignore[no-untyped-def]
-    torch.manual_seed(seed)
-    index = {item: n for n, item in enumerate(sorted(dataset.items))}
-    users = torch.nn.Embedding(len(index), 32)
-    items = torch.nn.Embedding(len(index), 32)
-    bias = torch.nn.Embedding(len(index), 1)
-    log_scale = torch.nn.Parameter(torch.tensor(1.0))  # finetune's initial scale
-    for table in (users, items):
-        torch.nn.init.normal_(table.weight, std=0.1)
-    torch.nn.init.zeros_(bias.weight)
-    optimizer = torch.optim.Adam([*users.parameters(), *items.parameters(), *bias.parameters(), log_scale], lr=0.01)
-
-    def score(request: RecommendationRequest) -> torch.Tensor:
-        h = users(torch.tensor([index[i] for i in request.history])).mean(0)
-        c = torch.tensor([index[i] for i in request.candidates])
-        return items(c) @ h + bias(c)[:, 0]
-
-    for start in range(0, len(examples), 4):
-        loss = torch.tensor(0.0)
-        for request, positives in examples[start:start + 4]:
-            hard = torch.zeros(len(request.candidates))
-            hard[positives] = 1.0 / len(positives)
-            soft = torch.tensor(teacher.distribution(request.history, request.candidates, 1.0, request.user_id))
-            logits = score(request)
-            if fused:  # finetune's stage_terms and served_scores, weight 1
-                stage = torch.tensor(teacher.stage_scores(request.history, request.candidates, request.user_id))
-                logits = log_scale.exp() * (zscores(logits) + zscores(stage))
-            target = (1 - teacher_weight) * hard + teacher_weight * soft
-            loss = loss + F.cross_entropy(logits[None], target[None])
-        optimizer.zero_grad()
-        (loss / 4).backward()
-        optimizer.step()
-    return score
 
 
 def mean_quality(scores: list[list[float]], requests: list[RecommendationRequest], metric: str) -> float:
@@ -130,7 +90,8 @@ def main(validation_prompts: int = 96) -> None:
     for name, (fused, weight) in variants.items():
         found: dict[str, list[float]] = {}
         for seed in range(SEEDS):
-            score = train(dataset, requests(dataset, training, 20, EXAMPLES, seed, 1), teacher, seed, fused, weight)
+            score = train(dataset, requests(dataset, training, 20, EXAMPLES, seed, 1), teacher, seed, fused=fused,
+                          teacher_weight=weight)
             with torch.no_grad():
                 for set_name, (chosen, stage_of) in [*sets.items(), ("stage", ([r.request for r in stage],
                                                                                stage_scores))]:

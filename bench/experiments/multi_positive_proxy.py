@@ -76,16 +76,23 @@ def requests(dataset, users, candidates, count, seed, positives):  # type: ignor
             for r in training_requests(dataset, users, HISTORY, candidates, count, seed, WINDOW, positives=positives)]
 
 
-def train(dataset, examples, teacher, seed):  # type: ignore[no-untyped-def]
+def zscores(scores: torch.Tensor) -> torch.Tensor:
+    return (scores - scores.mean()) / scores.std(unbiased=False).clamp_min(1e-6)
+
+
+def train(dataset, examples, teacher, seed, *, fused=False, teacher_weight=0.5):  # type: ignore[no-untyped-def]
+    """One pass of the two-tower proxy over ``examples``; ``fused``: the loss reads the served fusion with the
+    stage (``fused_training_proxy.py``), ``teacher_weight``: the teacher's share of the target."""
     torch.manual_seed(seed)
     index = {item: n for n, item in enumerate(sorted(dataset.items))}
     users = torch.nn.Embedding(len(index), 32)
     items = torch.nn.Embedding(len(index), 32)
     bias = torch.nn.Embedding(len(index), 1)
+    log_scale = torch.nn.Parameter(torch.tensor(1.0))  # finetune's initial scale
     for table in (users, items):
         torch.nn.init.normal_(table.weight, std=0.1)
     torch.nn.init.zeros_(bias.weight)
-    optimizer = torch.optim.Adam([*users.parameters(), *items.parameters(), *bias.parameters()], lr=0.01)
+    optimizer = torch.optim.Adam([*users.parameters(), *items.parameters(), *bias.parameters(), log_scale], lr=0.01)
 
     def score(request: RecommendationRequest) -> torch.Tensor:
         h = users(torch.tensor([index[i] for i in request.history])).mean(0)
@@ -98,7 +105,12 @@ def train(dataset, examples, teacher, seed):  # type: ignore[no-untyped-def]
             hard = torch.zeros(len(request.candidates))
             hard[positives] = 1.0 / len(positives)
             soft = torch.tensor(teacher.distribution(request.history, request.candidates, 1.0, request.user_id))
-            loss = loss + F.cross_entropy(score(request)[None], (0.5 * hard + 0.5 * soft)[None])
+            logits = score(request)
+            if fused:  # finetune's stage_terms and served_scores, weight 1
+                stage = torch.tensor(teacher.stage_scores(request.history, request.candidates, request.user_id))
+                logits = log_scale.exp() * (zscores(logits) + zscores(stage))
+            target = (1 - teacher_weight) * hard + teacher_weight * soft
+            loss = loss + F.cross_entropy(logits[None], target[None])
         optimizer.zero_grad()
         (loss / 4).backward()
         optimizer.step()
