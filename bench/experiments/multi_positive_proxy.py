@@ -53,6 +53,7 @@ from kvshard.prompts import RecommendationRequest, sample_requests
 from kvshard.ranking import quality
 from kvshard.retrieval import RetrievalIndex, RetrievedRequest, quality_or_miss, retrieval_requests
 from kvshard.splits import UserSplit, training_requests, validation_requests
+from kvshard_training.model_teacher import zscore
 from kvshard_training.teacher import ItemKnnTeacher
 
 HISTORY, WINDOW, EXAMPLES, SEEDS = 10, 30, 2872, 5
@@ -74,10 +75,6 @@ def requests(dataset, users, candidates, count, seed, positives):  # type: ignor
     """(request, positive indices): :func:`kvshard.splits.training_requests` — finetune's own requests."""
     return [(r, [r.candidates.index(t) for t in (r.target, *r.later_targets)])
             for r in training_requests(dataset, users, HISTORY, candidates, count, seed, WINDOW, positives=positives)]
-
-
-def zscores(scores: torch.Tensor) -> torch.Tensor:
-    return (scores - scores.mean()) / scores.std(unbiased=False).clamp_min(1e-6)
 
 
 def train(dataset, examples, teacher, seed, *, fused=False, teacher_weight=0.5):  # type: ignore[no-untyped-def]
@@ -108,7 +105,7 @@ def train(dataset, examples, teacher, seed, *, fused=False, teacher_weight=0.5):
             logits = score(request)
             if fused:  # finetune's stage_terms and served_scores, weight 1
                 stage = torch.tensor(teacher.stage_scores(request.history, request.candidates, request.user_id))
-                logits = log_scale.exp() * (zscores(logits) + zscores(stage))
+                logits = log_scale.exp() * (zscore(logits) + zscore(stage))
             target = (1 - teacher_weight) * hard + teacher_weight * soft
             loss = loss + F.cross_entropy(logits[None], target[None])
         optimizer.zero_grad()

@@ -74,7 +74,7 @@ from kvshard_sidecar.engine.model import UnsupportedModelError, default_model_pa
 from kvshard_training.examples import Example, TrainingData, training_data
 from kvshard_training.lora import lineage_seconds, lora_model, save_adapter, warm_start
 from kvshard_training.merge import ADAPTER_WEIGHTS
-from kvshard_training.model_teacher import ScorerTeacher, mixed_distribution
+from kvshard_training.model_teacher import ScorerTeacher, mixed_distribution, zscore
 from kvshard_training.report import (
     PROVENANCE_FILE,
     LossCurve,
@@ -190,11 +190,7 @@ def isolated_loss(scores: torch.Tensor, example: Example, settings: FinetuneSett
 def served_scores(scores: torch.Tensor, stage: torch.Tensor | None) -> torch.Tensor:
     """The ranking as served: ``scores`` [P, K] alone, or ``z(scores) + stage`` where ``stage`` holds the
     retrieval stage's ``W · z(score)`` [P, K] — :func:`kvshard.ranking.fuse_scores` in torch, differentiable."""
-    if stage is None:
-        return scores
-    mean = scores.mean(-1, keepdim=True)
-    spread = scores.std(-1, unbiased=False, keepdim=True)
-    return torch.where(spread > 0, (scores - mean) / spread.clamp_min(1e-12), 0.0) + stage
+    return scores if stage is None else zscore(scores) + stage
 
 
 def batch_losses(causal_lm: Any, examples: Sequence[Example], settings: FinetuneSettings,
