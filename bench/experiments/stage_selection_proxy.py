@@ -54,11 +54,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fused_training_proxy import mean_quality  # noqa: E402
 from multi_positive_proxy import EXAMPLES, HISTORY, SEEDS, WINDOW, rank_of, requests, train  # noqa: E402
 
 from kvshard.datasets import load_dataset  # noqa: E402
-from kvshard.prompts import RecommendationRequest, sample_requests  # noqa: E402
-from kvshard.ranking import fuse_scores, quality  # noqa: E402
+from kvshard.prompts import sample_requests  # noqa: E402
+from kvshard.ranking import fuse_scores  # noqa: E402
 from kvshard.retrieval import RetrievalIndex, quality_or_miss, retrieval_requests, retrieved_request  # noqa: E402
 from kvshard.splits import UserSplit, training_positions  # noqa: E402
 from kvshard_training.teacher import ItemKnnTeacher  # noqa: E402
@@ -70,10 +71,14 @@ def fold_of(user: str) -> int:
     return hashlib.blake2b(user.encode(), digest_size=8).digest()[0] % FOLDS
 
 
-def stage_examples(dataset, training, count, seed):  # type: ignore[no-untyped-def]
+def fold_indexes(dataset, training):  # type: ignore[no-untyped-def]
+    """Per fold, the stage over the other folds' training users (what :meth:`RetrievalIndex.fit` counts)."""
+    return [RetrievalIndex({u: dataset.histories[u][:-2] for u in training if fold_of(u) != fold}, dataset.items)
+            for fold in range(FOLDS)]
+
+
+def stage_examples(dataset, training, indexes, count, seed):  # type: ignore[no-untyped-def]
     """``count`` training prompts whose candidates are the stage's selection, the target retrieved."""
-    indexes = [RetrievalIndex({u: dataset.histories[u][:-2] for u in training if fold_of(u) != fold}, dataset.items)
-               for fold in range(FOLDS)]
     rng = random.Random(seed)
     positions = training_positions(dataset, training, HISTORY, WINDOW)
     rng.shuffle(positions)
@@ -109,6 +114,7 @@ def main(only: str = "") -> None:
                 "stage's selection, fused loss": ("stage", True)}
     print(f"{'training':34s} {'read':6s} {'stage HR@1':>10s} {'NDCG@10':>16s} {'uniform HR@1':>13s} {'NDCG@10':>8s}"
           f"   (held-out users; mean over {SEEDS} seeds, ± sd)")
+    indexes = fold_indexes(dataset, training)
     selections: dict[int, list] = {}  # type: ignore[type-arg]  # the stage's examples per seed, built once
     for name, (candidates, fused) in variants.items():
         if only not in name:
@@ -117,7 +123,7 @@ def main(only: str = "") -> None:
         for seed in range(SEEDS):
             if candidates == "stage":
                 if seed not in selections:
-                    selections[seed], kept = stage_examples(dataset, training, EXAMPLES, seed)
+                    selections[seed], kept = stage_examples(dataset, training, indexes, EXAMPLES, seed)
                     if seed == 0:
                         print(f"  (stage's selection: the target retrieved in {kept:.0%} of training positions)")
                 examples = selections[seed]
@@ -144,11 +150,6 @@ def main(only: str = "") -> None:
 
 def combine(model: list[float], stage: list[float], read: str) -> list[float]:
     return fuse_scores(model, stage) if read == "fused" else model
-
-
-def mean_quality(scores: list[list[float]], chosen: list[RecommendationRequest], metric: str) -> float:
-    return statistics.mean(quality(s, r.candidates.index(str(r.target)))[metric] for s, r in zip(scores, chosen,
-                                                                                                 strict=True))
 
 
 if __name__ == "__main__":
