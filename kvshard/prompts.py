@@ -101,17 +101,24 @@ def candidate_orders(request: RecommendationRequest, count: int, rng: random.Ran
 
 
 def sample_requests(
-    dataset: Dataset, users: int, history: int, candidates: int, seed: int = 0
+    dataset: Dataset, users: int, history: int, candidates: int, seed: int = 0, positions: int = 1
 ) -> list[RecommendationRequest]:
     """Leave-last-out requests: the last ``history`` items before each user's final item.
 
     Users with fewer than ``history + 1`` interactions are skipped; negatives are drawn from the
-    items the user never interacted with.
+    items the user never interacted with. ``positions`` > 1 also takes each user's earlier items as
+    targets — the last ``positions`` interactions, latest first, each with the ``history`` items before
+    it (a position without that much history is skipped) — so a sample of held-out users yields more
+    requests than users (the user's requests are correlated: intervals resample users, see
+    :func:`request_users`). The last items' requests are the same whatever ``positions`` is (an earlier
+    position draws from its own generator, :func:`position_rng`), so ``positions`` 1 is a subset of 5.
     """
     if candidates < 2:
         raise ValueError("candidates must be at least 2 (the held-out item and one negative)")
     if history < 1:
         raise ValueError("history must be at least 1")
+    if positions < 1:
+        raise ValueError("positions must be at least 1")
     rng = random.Random(seed)
     eligible = [u for u, h in dataset.histories.items() if len(h) > history]
     rng.shuffle(eligible)
@@ -119,17 +126,37 @@ def sample_requests(
     requests = []
     for user in eligible[:users]:
         items = dataset.histories[user]
-        target, past = items[-1], items[-1 - history : -1]
         seen = set(items)
-        negatives: list[str] = []
-        while len(negatives) < candidates - 1:
-            choice = rng.choice(all_items)
-            if choice not in seen and choice not in negatives:
-                negatives.append(choice)
-        pool = [target, *negatives]
-        rng.shuffle(pool)
-        requests.append(RecommendationRequest(user, tuple(past), tuple(pool), target))
+        for end in target_positions(len(items), history, positions):
+            target, past = items[end], items[end - history : end]
+            draw = rng if end == len(items) - 1 else position_rng(seed, user, end)
+            negatives: list[str] = []
+            while len(negatives) < candidates - 1:
+                choice = draw.choice(all_items)
+                if choice not in seen and choice not in negatives:
+                    negatives.append(choice)
+            pool = [target, *negatives]
+            draw.shuffle(pool)
+            requests.append(RecommendationRequest(user, tuple(past), tuple(pool), target))
     return requests
+
+
+def position_rng(seed: int, user: str, position: int) -> random.Random:
+    """The generator of a user's request at an earlier ``position`` (not the last item): its own, so adding
+    positions never changes the last items' requests."""
+    return random.Random(f"{seed}-{user}-{position}")
+
+
+def target_positions(interactions: int, history: int, positions: int) -> list[int]:
+    """Indices of a user's targets: the last ``positions`` interactions, latest first, each with at least
+    ``history`` interactions before it."""
+    return [end for end in range(interactions - 1, interactions - 1 - positions, -1) if end >= history]
+
+
+def request_users(requests: Sequence[RecommendationRequest]) -> list[str]:
+    """Each request's user: the clusters a bootstrap over users resamples (several requests of one user,
+    ``positions`` > 1, move together)."""
+    return [request.user_id for request in requests]
 
 
 class PromptBuilder:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvshard.datasets import Dataset
-from kvshard.prompts import RecommendationRequest
+from kvshard.prompts import RecommendationRequest, position_rng, target_positions
 from kvshard.ranking import QUALITY_METRICS, hit_at, ndcg_at
 from kvshard.splits import UserSplit
 
@@ -188,10 +188,11 @@ def retrieved_request(index: RetrievalIndex, rng: random.Random, user: str, past
 
 
 def retrieval_requests(dataset: Dataset, index: RetrievalIndex, users: int, history: int, candidates: int,
-                       seed: int = 0) -> list[RetrievedRequest]:
+                       seed: int = 0, positions: int = 1) -> list[RetrievedRequest]:
     """Leave-last-out requests like :func:`kvshard.prompts.sample_requests` — the same users for the same
-    seed, each user's last item as the target and the ``history`` items before it as the history — with
-    the retrieval stage's ``candidates`` items instead of the target plus uniform negatives.
+    seed, each user's last item as the target (and, with ``positions`` > 1, the items before it, latest
+    first) and the ``history`` items before it as the history — with the retrieval stage's ``candidates``
+    items instead of the target plus uniform negatives.
 
     Raises ``ValueError`` when a sampled user's interactions are in the index's counts (their target
     could have shaped their own candidates) or for a bad size."""
@@ -199,6 +200,8 @@ def retrieval_requests(dataset: Dataset, index: RetrievalIndex, users: int, hist
         raise ValueError("candidates must be at least 2")
     if history < 1:
         raise ValueError("history must be at least 1")
+    if positions < 1:
+        raise ValueError("positions must be at least 1")
     rng = random.Random(seed)
     eligible = [u for u, h in dataset.histories.items() if len(h) > history]
     rng.shuffle(eligible)
@@ -207,7 +210,9 @@ def retrieval_requests(dataset: Dataset, index: RetrievalIndex, users: int, hist
         if user in index.users:
             raise ValueError(f"user {user!r} is in the retrieval statistics: sample users the index was not fitted on")
         items = dataset.histories[user]
-        out.append(retrieved_request(index, rng, user, items[:-1], items[-1], history, candidates))
+        for end in target_positions(len(items), history, positions):
+            draw = rng if end == len(items) - 1 else position_rng(seed, user, end)
+            out.append(retrieved_request(index, draw, user, items[:end], items[end], history, candidates))
     return out
 
 

@@ -31,7 +31,13 @@ target was retrieved. The bar: the model's NDCG@10 above the retrieval order's.
 Beside each model, ``<model> + retrieval score`` (``fused_with_retrieval``; ``--no-fuse-retrieval`` drops
 it) ranks by the same scores fused with the retrieval stage's score of each candidate
 (:func:`kvshard.ranking.fuse_scores`, :meth:`kvshard.retrieval.RetrievalIndex.scores`), on either
-candidate set: what the sidecar answers a request that carries ``retrieval_scores``.
+candidate set: what the sidecar answers a request that carries ``retrieval_scores`` (``--retrieval-weight``:
+the stage's weight, as a request's ``retrieval_weight``; default 1, the sidecar's).
+
+``--positions N`` asks each sampled user's last N items instead of the last one (more requests from the
+same held-out users; every interval then resamples users, a user's requests together), and under the table
+the bench prints each ranking's paired difference from the first model listed and from each baseline on
+the same requests (``paired`` in the JSON rows), the comparison to read when two rows' intervals overlap.
 
 Every request is scored under the same permutations for every model. Rows carry the model name and
 weights hash, the sample (dataset, users, history, candidates, seed, split) and whether the issue's
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 from collections import Counter
@@ -58,6 +65,7 @@ from kvshard.prompts import (
     RecommendationPrompt,
     RecommendationRequest,
     candidate_orders,
+    request_users,
     sample_requests,
 )
 from kvshard.ranking import QUALITY_METRICS, best_index, fuse_scores, quality, random_quality
@@ -99,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "retrieval stage's score of each candidate (kvshard.retrieval: summed co-occurrence "
                              "with the history), z-scores summed 1 : 1, as the sidecar ranks a request that "
                              "carries retrieval_scores (default: on)")
+    parser.add_argument("--retrieval-weight", type=float, default=1.0, metavar="W",
+                        help="the stage's weight in those rows, z(model) + W · z(stage): a request's "
+                             "retrieval_weight (default: %(default)s, the sidecar's default)")
+    parser.add_argument("--positions", type=int, default=1,
+                        help="targets per user: each user's last N interactions, latest first, each with the "
+                             "--history items before it, so --users held-out users give up to N times the "
+                             "requests; intervals resample users, a user's requests together (default: "
+                             "%(default)s, the last item only)")
     parser.add_argument("--permutations", type=int, default=3,
                         help="candidate orders per request, for position consistency (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling and permutation seed (default: %(default)s)")
@@ -129,25 +145,52 @@ def permutations(requests: Sequence[RecommendationRequest], count: int, seed: in
     return [candidate_orders(request, count, rng) for request in requests]
 
 
-def bootstrap_ci(values: Sequence[float], seed: int, samples: int = BOOTSTRAP_SAMPLES) -> tuple[float, float]:
-    """95 % percentile bootstrap interval of the mean of ``values`` (resampling users)."""
+def bootstrap_ci(values: Sequence[float], seed: int, samples: int = BOOTSTRAP_SAMPLES,
+                 clusters: Sequence[str] | None = None) -> tuple[float, float]:
+    """95 % percentile bootstrap interval of the mean of ``values`` (one per request), resampling users:
+    ``clusters`` names each value's user, and a resampled user brings all of its values (``None``: each
+    value its own user, one request per user)."""
     if not values:
         return (0.0, 0.0)
     rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(samples))
+    if clusters is None:
+        means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(samples))
+    else:
+        if len(clusters) != len(values):
+            raise ValueError(f"{len(clusters)} users for {len(values)} values")
+        groups: dict[str, list[float]] = {}
+        for cluster, value in zip(clusters, values, strict=True):
+            groups.setdefault(cluster, []).append(value)
+        sums = [(math.fsum(group), len(group)) for group in groups.values()]
+        means = []
+        for _ in range(samples):
+            drawn = rng.choices(sums, k=len(sums))
+            means.append(math.fsum(total for total, _ in drawn) / sum(count for _, count in drawn))
+        means.sort()
     return means[int(0.025 * samples)], means[int(0.975 * samples) - 1]
 
 
+def paired_difference(candidate: Sequence[float], reference: Sequence[float], seed: int,
+                      clusters: Sequence[str] | None = None) -> tuple[float, float, float]:
+    """Mean of ``candidate - reference`` over the same requests and its 95 % bootstrap interval (resampling
+    users, :func:`bootstrap_ci`): two rankings of the same requests differ by much less than either's own
+    interval, so a comparison is judged by this, not by whether their intervals overlap."""
+    differences = [a - b for a, b in zip(candidate, reference, strict=True)]
+    low, high = bootstrap_ci(differences, seed, clusters=clusters)
+    return (statistics.fmean(differences) if differences else 0.0), low, high
+
+
 def summarize(choices: Sequence[Sequence[tuple[str, str]]], metrics: Sequence[Sequence[dict[str, float]]],
-              seed: int) -> Row:
+              seed: int, clusters: Sequence[str] | None = None) -> Row:
     """Quality and position statistics of one model.
 
-    ``choices[u][p]`` is (chosen candidate id, its label) of user ``u`` under permutation ``p``;
-    ``metrics[u][p]`` that answer's HR@1/HR@5/NDCG@10.
+    ``choices[r][p]`` is (chosen candidate id, its label) of request ``r`` under permutation ``p``;
+    ``metrics[r][p]`` that answer's HR@1/HR@5/NDCG@10; ``clusters[r]`` the request's user, for the interval
+    (``None``: one request per user).
     """
-    per_user = [{m: statistics.fmean(q[m] for q in user) for m in QUALITY_METRICS} for user in metrics]
-    row: Row = {m: statistics.fmean(u[m] for u in per_user) if per_user else 0.0 for m in QUALITY_METRICS}
-    row["hr1_ci"] = list(bootstrap_ci([u["hr1"] for u in per_user], seed))
+    per_request = per_request_quality(metrics)
+    row: Row = {m: statistics.fmean(u[m] for u in per_request) if per_request else 0.0 for m in QUALITY_METRICS}
+    row["hr1_ci"] = list(bootstrap_ci([u["hr1"] for u in per_request], seed, clusters=clusters))
     row["position_consistency"] = (statistics.fmean(float(len({c for c, _ in user}) == 1) for user in choices)
                                    if choices else 0.0)
     labels = Counter(label for user in choices for _, label in user)
@@ -158,15 +201,26 @@ def summarize(choices: Sequence[Sequence[tuple[str, str]]], metrics: Sequence[Se
     return row
 
 
+def per_request_quality(metrics: Sequence[Sequence[dict[str, float]]]) -> list[dict[str, float]]:
+    """Each request's HR@1/HR@5/NDCG@10, averaged over its candidate orders."""
+    return [{m: statistics.fmean(q[m] for q in orders) for m in QUALITY_METRICS} for orders in metrics]
+
+
 def popularity_quality(dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]]) -> dict[str, float]:
     """HR@1/HR@5/NDCG@10 of ranking the candidates by rating count on the same requests and orders — the
     baseline to beat: against negatives drawn uniformly from unseen items, popularity alone ranks well
     (``bench/experiments/demo_trace_difficulty.py``). Counted over every interaction but the requests'
     targets, so no answer is leaked."""
+    return baseline_quality(orders, popularity_scores(dataset, orders))
+
+
+def popularity_scores(dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]]
+                      ) -> Callable[[RecommendationRequest], list[float]]:
+    """The popularity ranking of :func:`popularity_quality`: rating counts less the requests' targets."""
     counts = Counter(item for history in dataset.histories.values() for item in history)
     counts.subtract(Counter(str(user_orders[0].target) for user_orders in orders
                             if user_orders and user_orders[0].target is not None))
-    return baseline_quality(orders, lambda r: [float(counts[c]) for c in r.candidates])
+    return lambda r: [float(counts[c]) for c in r.candidates]
 
 
 def item_knn_quality(dataset: Dataset, split: UserSplit,
@@ -175,22 +229,33 @@ def item_knn_quality(dataset: Dataset, split: UserSplit,
     teacher): cosine co-occurrence over the *training* users' interactions before their second-to-last,
     summed over the request's history. The collaborative-filtering baseline a language-model recommender
     trained on these users is measured against — no held-out user and no target is in its counts."""
+    return baseline_quality(orders, item_knn_scores(dataset, split))
+
+
+def item_knn_scores(dataset: Dataset, split: UserSplit) -> Callable[[RecommendationRequest], list[float]]:
+    """The item-kNN ranking of :func:`item_knn_quality`."""
     teacher = ItemKnnTeacher(dataset.histories, split.training_users(dataset))
-    return baseline_quality(orders, lambda r: teacher.scores(r.history, r.candidates))
+    return lambda r: teacher.scores(r.history, r.candidates)
 
 
 def baseline_quality(orders: Sequence[Sequence[RecommendationRequest]],
                      scores: Callable[[RecommendationRequest], list[float]]) -> dict[str, float]:
     """HR@1/HR@5/NDCG@10 of a model-free ranking ``scores`` on the benchmark's requests, averaged like a
-    model's row (per user over the orders, then over users); a target that is not among the candidates
-    (the retrieval stage missed it) scores 0."""
-    per_user = []
-    for user_orders in orders:
+    model's row (per request over the orders, then over requests); a target that is not among the
+    candidates (the retrieval stage missed it) scores 0."""
+    per_request = baseline_per_request(orders, scores)
+    return {m: statistics.fmean(u[m] for u in per_request) if per_request else 0.0 for m in QUALITY_METRICS}
+
+
+def baseline_per_request(orders: Sequence[Sequence[RecommendationRequest]],
+                         scores: Callable[[RecommendationRequest], list[float]]) -> list[dict[str, float]]:
+    """:func:`baseline_quality` per request (a request without a target scores 0), for paired comparisons."""
+    per_request = []
+    for request_orders in orders:
         answers = [quality(scores(r), r.candidates.index(str(r.target))) if r.target in r.candidates
-                   else quality_or_miss(None) for r in user_orders if r.target is not None]
-        if answers:
-            per_user.append({m: statistics.fmean(a[m] for a in answers) for m in QUALITY_METRICS})
-    return {m: statistics.fmean(u[m] for u in per_user) if per_user else 0.0 for m in QUALITY_METRICS}
+                   else quality_or_miss(None) for r in request_orders if r.target is not None]
+        per_request.append({m: statistics.fmean(a[m] for a in answers) if answers else 0.0 for m in QUALITY_METRICS})
+    return per_request
 
 
 def meets_targets(row: Row) -> bool:
@@ -199,9 +264,10 @@ def meets_targets(row: Row) -> bool:
 
 
 class Answers:
-    """Each user's answers under each candidate order, per name (one model here; readouts or variants of
+    """Each request's answers under each candidate order, per name (one model here; readouts or variants of
     one model in the experiments that compare them on this bench's sample): the chosen candidate and its
-    label, and the answer's HR@1/HR@5/NDCG@10 — what :func:`summarize` reads."""
+    label, and the answer's HR@1/HR@5/NDCG@10 — what :func:`summarize` reads. (One request per user unless
+    the bench runs with ``--positions``; the method names keep "user".)"""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.choices: dict[str, list[list[tuple[str, str]]]] = {name: [] for name in names}
@@ -213,7 +279,7 @@ class Answers:
             self.metrics[name].append([])
 
     def add(self, name: str, built: RecommendationPrompt, scores: Sequence[float]) -> None:
-        """``scores`` of ``built``'s candidates, in its order, as the current user's next answer."""
+        """``scores`` of ``built``'s candidates, in its order, as the current request's next answer."""
         chosen = best_index(scores)
         self.choices[name][-1].append((built.request.candidates[chosen], built.labels[chosen]))
         target = built.target_index
@@ -221,39 +287,48 @@ class Answers:
                                       else dict.fromkeys(QUALITY_METRICS, 0.0))
 
     def subset_quality(self, name: str, keep: Sequence[bool]) -> dict[str, float]:
-        """HR@1/HR@5/NDCG@10 of ``name`` averaged like :func:`summarize` over the users ``keep`` selects
+        """HR@1/HR@5/NDCG@10 of ``name`` averaged like :func:`summarize` over the requests ``keep`` selects
         (zeros when it selects none)."""
         if len(keep) != len(self.metrics[name]):
-            raise ValueError(f"{len(keep)} flags for {len(self.metrics[name])} users")
-        chosen = [user for user, kept in zip(self.metrics[name], keep, strict=True) if kept]
-        per_user = [{m: statistics.fmean(q[m] for q in user) for m in QUALITY_METRICS} for user in chosen]
-        return {m: statistics.fmean(u[m] for u in per_user) if per_user else 0.0 for m in QUALITY_METRICS}
+            raise ValueError(f"{len(keep)} flags for {len(self.metrics[name])} requests")
+        chosen = per_request_quality([orders for orders, kept in zip(self.metrics[name], keep, strict=True) if kept])
+        return {m: statistics.fmean(u[m] for u in chosen) if chosen else 0.0 for m in QUALITY_METRICS}
 
-    def rows(self, seed: int, prefix: str = "") -> list[Row]:
+    def per_request(self, name: str) -> list[dict[str, float]]:
+        """``name``'s HR@1/HR@5/NDCG@10 per request (over its orders), for paired comparisons."""
+        return per_request_quality(self.metrics[name])
+
+    def rows(self, seed: int, prefix: str = "", clusters: Sequence[str] | None = None) -> list[Row]:
         """One :func:`summarize` row per name (``model``: ``prefix`` + name), with ``targets_met``."""
         rows: list[Row] = []
         for name in self.choices:
-            row = summarize(self.choices[name], self.metrics[name], seed)
+            row = summarize(self.choices[name], self.metrics[name], seed, clusters)
             row["model"] = f"{prefix}{name}"
             row["targets_met"] = meets_targets(row)
             rows.append(row)
         return rows
 
 
-def sample_line(users: int, candidates: int, history: int, orders: int, who: str = "held-out users") -> str:
-    return f"{users} {who}' last items, {candidates} candidates, history {history}, {orders} candidate orders each"
+def sample_line(users: int, candidates: int, history: int, orders: int, who: str = "held-out users",
+                requests: int | None = None) -> str:
+    items = "last items" if requests is None or requests == users else f"last items ({requests} requests)"
+    return f"{users} {who}' {items}, {candidates} candidates, history {history}, {orders} candidate orders each"
 
 
 def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
                    seed: int, progress: bool = True, retrieved: Sequence[bool] | None = None,
-                   stage_scores: Callable[[RecommendationRequest], list[float]] | None = None) -> list[Row]:
+                   stage_scores: Callable[[RecommendationRequest], list[float]] | None = None,
+                   retrieval_weight: float = 1.0, clusters: Sequence[str] | None = None
+                   ) -> tuple[list[Row], dict[str, list[dict[str, float]]]]:
     """Score every permutation of every request with the blend engine's full prefill — the label logits at
     the answer position, or for a model trained as an isolated scorer its per-candidate scores
     (:mod:`kvshard_sidecar.engine.isolated_scorer`, float32 head); one summary row, and with
     ``stage_scores`` a second (``<model> + retrieval score``) ranking by the same scores fused with the
-    retrieval stage's (:func:`kvshard.ranking.fuse_scores`, weight 1: what the sidecar answers a request
-    that carries ``retrieval_scores``). ``retrieved`` flags the requests whose target the retrieval stage
-    retrieved: the rows add ``retrieved_*`` over those."""
+    retrieval stage's (:func:`kvshard.ranking.fuse_scores`, weight ``retrieval_weight``: what the sidecar
+    answers a request that carries ``retrieval_scores`` and that weight). ``retrieved`` flags the requests
+    whose target the retrieval stage retrieved: the rows add ``retrieved_*`` over those; ``clusters`` names
+    each request's user (intervals resample users). Also returns each row's per-request quality, by model
+    name, for paired comparisons."""
     from kvshard.models import model_scorer, model_template
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
     from kvshard_sidecar.engine.isolated_scorer import Readout, scoring_prompt
@@ -274,7 +349,7 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
     # each model is asked as it was trained (a merged adapter records its template's label position)
     builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(path))
     name = loaded.identity.name
-    fused_name = f"{name} + {FUSED_SUFFIX}"
+    fused_name = f"{name} + {'' if retrieval_weight == 1.0 else f'{retrieval_weight:g} × '}{FUSED_SUFFIX}"
     answers = Answers([name, fused_name] if stage_scores is not None else [name])
     tokens: list[int] = []
     bar = tqdm(total=sum(len(o) for o in orders), desc=f"recommender {loaded.identity.name}", unit="prompt",
@@ -287,21 +362,22 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
                 model_scores = scores(built)
             answers.add(name, built, model_scores)
             if stage_scores is not None:
-                answers.add(fused_name, built, fuse_scores(model_scores, stage_scores(request)))
+                answers.add(fused_name, built, fuse_scores(model_scores, stage_scores(request), retrieval_weight))
             tokens.append(len(built.prompt))
             bar.update()
     bar.close()
     rows = []
-    for summary in answers.rows(seed):
+    for summary in answers.rows(seed, clusters=clusters):
         row: Row = {"model": summary["model"], "revision": loaded.identity.revision, "path": str(path),
                     "label_position": builder.template.label_position, "scorer": scorer,
-                    "fused_with_retrieval": summary["model"] == fused_name}
+                    "fused_with_retrieval": summary["model"] == fused_name,
+                    "retrieval_weight": retrieval_weight if summary["model"] == fused_name else None}
         row.update({k: v for k, v in summary.items() if k not in ("model", "targets_met")})
         if retrieved is not None:
             row.update({f"retrieved_{m}": v for m, v in answers.subset_quality(summary["model"], retrieved).items()})
         row["tokens"] = round(statistics.fmean(tokens)) if tokens else 0
         rows.append(row)
-    return rows
+    return rows, {name: answers.per_request(name) for name in answers.metrics}
 
 
 def run(args: argparse.Namespace) -> list[Row]:
@@ -320,46 +396,86 @@ def run(args: argparse.Namespace) -> list[Row]:
         if args.candidates < 2:
             raise SystemExit("--candidates must be at least 2")
         stage = retrieval_requests(pool, index, args.users, args.history,
-                                   args.candidates, args.seed)
+                                   args.candidates, args.seed, args.positions)
         requests = [r.request for r in stage]
     else:
-        requests = sample_requests(pool, args.users, args.history, args.candidates, args.seed)
+        requests = sample_requests(pool, args.users, args.history, args.candidates, args.seed, args.positions)
     if not requests:
         raise SystemExit(f"no {'' if args.all_users else 'held-out '}user of {args.dataset} has more than "
                          f"{args.history} interactions")
     orders = permutations(requests, max(1, args.permutations), args.seed)
-    sample = {"dataset": dataset.name, "users": len(requests), "history": args.history,
+    users = request_users(requests)
+    clusters = users if args.positions > 1 else None
+    sample = {"dataset": dataset.name, "users": len(set(users)), "requests": len(requests), "history": args.history,
               "candidates": args.candidates, "permutations": max(1, args.permutations), "seed": args.seed,
               "split": "all users" if args.all_users else
               f"held-out users (fraction {args.heldout_fraction}, salt {args.split_salt})",
-              "target": "each user's last interaction", "candidate_set": args.candidate_set}
+              "target": ("each user's last interaction" if args.positions == 1 else
+                         f"each user's last {args.positions} interactions (intervals resample users)"),
+              "positions": args.positions, "candidate_set": args.candidate_set}
     expected: dict[str, float | int] = {f"random_{m}": v for m, v in random_quality(args.candidates).items()}
-    baselines = {"popularity": popularity_quality(dataset, orders),
-                 "item_knn": item_knn_quality(dataset, split, orders)}
+    baseline_requests = {"popularity": baseline_per_request(orders, popularity_scores(dataset, orders)),
+                         "item_knn": baseline_per_request(orders, item_knn_scores(dataset, split))}
     retrieved = [r.retrieved for r in stage] if stage is not None else None
     if stage is not None:  # recall, the stage's own order and a random reranking, all and retrieved-only
         expected = retrieval_fields(stage, args.candidates)
-        baselines["retrieval_order"] = {m: float(expected[f"retrieval_order_{m}"]) for m in QUALITY_METRICS}
+        baseline_requests["retrieval_order"] = [quality_or_miss(r.retrieval_rank) for r in stage]
+    baselines = {name: {m: statistics.fmean(q[m] for q in values) for m in QUALITY_METRICS}
+                 for name, values in baseline_requests.items()}
     expected |= {f"{name}_{m}": v for name, quality_of in baselines.items() for m, v in quality_of.items()}
     stage_scores = (lambda r: index.scores(r.history, r.candidates)) if args.fuse_retrieval else None
     rows: list[Row] = []
+    reference: tuple[str, list[dict[str, float]]] | None = None
     for spec in args.models:
         path = resolve_model(spec)
         if path is None:
             print(f"skipping {spec!r}: it is not prepared (`kvshard model prepare` merges the shipped "
                   "adapters; `kvshard model merge ADAPTER` merges your own)")
             continue
-        for row in evaluate_model(path, dataset, orders, args.seed, retrieved=retrieved, stage_scores=stage_scores):
-            row.update(expected, **sample, targets_met=meets_targets(row))
+        model_rows, per_request = evaluate_model(path, dataset, orders, args.seed, retrieved=retrieved,
+                                                 stage_scores=stage_scores, retrieval_weight=args.retrieval_weight,
+                                                 clusters=clusters)
+        for row in model_rows:
+            ranking = per_request[row["model"]]
+            references = dict(baseline_requests)
+            if reference is not None:
+                references = {reference[0]: reference[1], **references}
+            row.update(expected, **sample, targets_met=meets_targets(row),
+                       paired=paired_fields(ranking, references, args.seed, clusters))
+            reference = reference or (row["model"], ranking)
             rows.append(row)
-    print(f"{sample_line(len(requests), args.candidates, args.history, sample['permutations'], 'users')}, "
-          f"seed {args.seed}, {sample['split']}")
+    line = sample_line(len(set(users)), args.candidates, args.history, sample["permutations"], "users", len(requests))
+    print(f"{line}, seed {args.seed}, {sample['split']}")
     print(format_table(rows, args.candidates, sample["permutations"], baselines))
     if stage is not None:
         print(format_retrieval_table(rows, expected))
+    print(format_paired(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
+
+
+PAIRED_METRICS = ("hr1", "ndcg10")
+
+
+def paired_fields(ranking: Sequence[Mapping[str, float]], references: Mapping[str, Sequence[Mapping[str, float]]],
+                  seed: int, clusters: Sequence[str] | None = None) -> dict[str, dict[str, list[float]]]:
+    """A row's ``paired`` field: per reference ranking (the first model listed, the baselines) and metric,
+    ``[mean difference, 95 % low, high]`` of ``ranking - reference`` on the same requests
+    (:func:`paired_difference`)."""
+    return {name: {m: list(paired_difference([q[m] for q in ranking], [q[m] for q in values], seed, clusters))
+                   for m in PAIRED_METRICS}
+            for name, values in references.items()}
+
+
+def format_paired(rows: Sequence[Row]) -> str:
+    """Each ranking minus each reference on the same requests, with the paired 95 % interval: the table to
+    read when two rows' own intervals overlap."""
+    headers = ["ranking", "minus", *(f"{m} difference (95% CI)" for m in PAIRED_METRICS)]
+    cells = [[row["model"], BASELINE_NAMES.get(name, name),
+              *(f"{d[0]:+.3f} ({d[1]:+.3f} … {d[2]:+.3f})" for d in (pairs[m] for m in PAIRED_METRICS))]
+             for row in rows for name, pairs in row["paired"].items()]
+    return "paired differences (same requests; intervals resample users)\n" + format_cells(headers, cells)
 
 
 def retrieval_fields(stage: Sequence[RetrievedRequest], candidates: int) -> dict[str, float | int]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvshard.datasets import Dataset, Item
-from kvshard.prompts import RecommendationRequest, sample_requests
+from kvshard.prompts import RecommendationRequest, sample_requests, target_positions
 from kvshard.retrieval import (
     RetrievalIndex,
     RetrievedRequest,
@@ -141,6 +141,34 @@ def test_requests_are_seeded_and_sample_the_same_users_as_uniform_negatives(movi
     assert [r.request.user_id for r in first] == [r.user_id for r in uniform]
     other = retrieval_requests(heldout, index, users=15, history=5, candidates=20, seed=5)
     assert [r.request.candidates for r in first] != [r.request.candidates for r in other]
+
+
+def test_earlier_positions_add_requests_without_the_target_or_its_future_and_keep_the_last_items(
+        movielens: Any) -> None:
+    split = UserSplit()
+    heldout, index = split.heldout_dataset(movielens), RetrievalIndex.fit(movielens, split)
+    last = retrieval_requests(heldout, index, users=12, history=10, candidates=20, seed=2)
+    five = retrieval_requests(heldout, index, users=12, history=10, candidates=20, seed=2, positions=5)
+    assert five[::5] == last, "adding positions leaves the last items' requests as they were"
+    uniform = sample_requests(heldout, users=12, history=10, candidates=20, seed=2, positions=5)
+    assert [r.request.user_id for r in five] == [r.user_id for r in uniform]
+    assert uniform[::5] == sample_requests(heldout, users=12, history=10, candidates=20, seed=2)
+    for number, (staged_request, sampled) in enumerate(zip(five, uniform, strict=True)):
+        items = movielens.histories[sampled.user_id]
+        end = len(items) - 1 - number % 5  # every held-out user has 15 interactions or more
+        for request in (staged_request.request, sampled):
+            assert request.target == items[end] and request.history == tuple(items[end - 10:end])
+        assert not set(staged_request.order) & set(items[:end]), "nothing the user saw before the target"
+        assert sampled.target in sampled.candidates
+        assert not (set(sampled.candidates) - {sampled.target}) & set(items), "negatives: never the user's items"
+    with pytest.raises(ValueError, match="positions"):
+        retrieval_requests(heldout, index, users=1, history=10, candidates=20, positions=0)
+
+
+def test_a_position_without_enough_history_before_it_is_skipped() -> None:
+    assert target_positions(20, history=10, positions=5) == [19, 18, 17, 16, 15]
+    assert target_positions(12, history=10, positions=5) == [11, 10]
+    assert target_positions(10, history=10, positions=1) == []
 
 
 # -------------------------------------------------------------------------------------- scoring

@@ -13,6 +13,7 @@ from kvshard_bench.recommender import (
     bootstrap_ci,
     item_knn_quality,
     meets_targets,
+    paired_difference,
     permutations,
     popularity_quality,
     resolve_model,
@@ -95,6 +96,28 @@ def test_bootstrap_interval_brackets_the_mean() -> None:
     assert low < 0.25 < high and 0.05 < low and high < 0.45
 
 
+def test_a_users_requests_move_together_in_the_interval() -> None:
+    # 20 users, 5 requests each, every request of a user alike: 100 values but 20 independent ones
+    values = [1.0] * 50 + [0.0] * 50
+    users = [f"u{i // 5}" for i in range(100)]
+    clustered = bootstrap_ci(values, seed=3, clusters=users)
+    as_users = bootstrap_ci([1.0] * 10 + [0.0] * 10, seed=3)
+    independent = bootstrap_ci(values, seed=3)
+    assert clustered[1] - clustered[0] > 1.5 * (independent[1] - independent[0])
+    assert clustered[1] - clustered[0] == pytest.approx(as_users[1] - as_users[0], abs=0.08)
+    with pytest.raises(ValueError, match="users for"):
+        bootstrap_ci(values, seed=3, clusters=users[:-1])
+
+
+def test_paired_difference_is_exact_where_the_rankings_agree_and_signed_where_they_do_not() -> None:
+    reference = [1.0, 0.0, 1.0, 0.0] * 10
+    assert paired_difference(reference, reference, seed=0) == (0.0, 0.0, 0.0)
+    better = [1.0] * 40  # wins every request the reference lost
+    mean, low, high = paired_difference(better, reference, seed=0)
+    assert mean == 0.5 and 0.3 < low < 0.5 < high < 0.7
+    assert paired_difference(reference, better, seed=0)[0] == -0.5
+
+
 def test_an_unprepared_finetuned_model_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSHARD_CACHE_DIR", str(tmp_path))
     assert resolve_model("finetuned") is None
@@ -115,4 +138,22 @@ def test_tiny_run_reports_every_field_for_the_base_model(tmp_path: Path, capsys:
         assert field in row
     assert row["model"] == "SmolLM2-135M-Instruct" and row["users"] == 2 and row["candidates"] == 4
     assert row["random_hr1"] == 0.25 and 0 <= row["hr1"] <= 1 and 0 < row["max_label_share"] <= 1
-    assert "random" in capsys.readouterr().out
+    assert set(row["paired"]) == {"popularity", "item_knn"}
+    assert set(fused["paired"]) == {"SmolLM2-135M-Instruct", "popularity", "item_knn"}
+    printed = capsys.readouterr().out
+    assert "random" in printed and "paired differences" in printed
+
+
+@pytest.mark.model
+def test_earlier_positions_multiply_the_requests_not_the_users(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "recommender", "--models", "base", "--users", "2", "--history", "3", "--candidates", "4",
+            "--permutations", "1", "--positions", "3", "--retrieval-weight", "0"]
+    row, fused = run(build_parser(argv).parse_args(argv))
+    assert row["users"] == 2 and row["requests"] == 6 and row["positions"] == 3
+    assert "last 3 interactions" in row["target"]
+    low, high = row["paired"]["item_knn"]["hr1"][1:]
+    assert low <= row["paired"]["item_knn"]["hr1"][0] <= high
+    assert "2 users' last items (6 requests)" in capsys.readouterr().out
+    # the stage at weight 0 leaves the model's ranking as it is: the same answers, request by request
+    assert fused["model"] == "SmolLM2-135M-Instruct + 0 × retrieval score" and fused["retrieval_weight"] == 0.0
+    assert fused["paired"]["SmolLM2-135M-Instruct"] == {"hr1": [0.0, 0.0, 0.0], "ndcg10": [0.0, 0.0, 0.0]}
