@@ -60,7 +60,7 @@ from kvshard.prompts import RecommendationRequest, request_users, sample_request
 from kvshard.ranking import fuse_scores, quality
 from kvshard.retrieval import RetrievalIndex, retrieval_requests
 from kvshard.splits import UserSplit, validation_requests
-from kvshard_bench.recommender import paired_difference
+from kvshard_bench.paired import paired_difference
 from kvshard_training.teacher import ItemKnnTeacher
 
 WEIGHTS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)

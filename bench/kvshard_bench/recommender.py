@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 from collections import Counter
@@ -71,12 +70,12 @@ from kvshard.prompts import (
 from kvshard.ranking import QUALITY_METRICS, best_index, fuse_scores, quality, random_quality
 from kvshard.retrieval import RetrievalIndex, RetrievedRequest, quality_or_miss, recall, retrieval_requests
 from kvshard.splits import DEFAULT_HELDOUT_FRACTION, DEFAULT_SALT, UserSplit
+from kvshard_bench.paired import PAIRED_METRICS, bootstrap_ci, paired_fields
 from kvshard_bench.tables import format_cells
 from kvshard_training.teacher import ItemKnnTeacher
 
 Row = dict[str, Any]
 TARGETS = {"hr1": 0.30, "position_consistency": 0.8, "max_label_share": 0.25}
-BOOTSTRAP_SAMPLES = 1000
 BASELINE_NAMES = {"popularity": "popularity (rating count)", "item_knn": "item-kNN (training users)",
                   "retrieval_order": "retrieval order (the stage's own)"}
 CANDIDATE_SETS = ("uniform", "retrieval")
@@ -143,41 +142,6 @@ def permutations(requests: Sequence[RecommendationRequest], count: int, seed: in
     """Per request: itself, then ``count - 1`` seeded reorderings of its candidates."""
     rng = random.Random(f"{seed}-permutations")
     return [candidate_orders(request, count, rng) for request in requests]
-
-
-def bootstrap_ci(values: Sequence[float], seed: int, samples: int = BOOTSTRAP_SAMPLES,
-                 clusters: Sequence[str] | None = None) -> tuple[float, float]:
-    """95 % percentile bootstrap interval of the mean of ``values`` (one per request), resampling users:
-    ``clusters`` names each value's user, and a resampled user brings all of its values (``None``: each
-    value its own user, one request per user)."""
-    if not values:
-        return (0.0, 0.0)
-    rng = random.Random(seed)
-    if clusters is None:
-        means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(samples))
-    else:
-        if len(clusters) != len(values):
-            raise ValueError(f"{len(clusters)} users for {len(values)} values")
-        groups: dict[str, list[float]] = {}
-        for cluster, value in zip(clusters, values, strict=True):
-            groups.setdefault(cluster, []).append(value)
-        sums = [(math.fsum(group), len(group)) for group in groups.values()]
-        means = []
-        for _ in range(samples):
-            drawn = rng.choices(sums, k=len(sums))
-            means.append(math.fsum(total for total, _ in drawn) / sum(count for _, count in drawn))
-        means.sort()
-    return means[int(0.025 * samples)], means[int(0.975 * samples) - 1]
-
-
-def paired_difference(candidate: Sequence[float], reference: Sequence[float], seed: int,
-                      clusters: Sequence[str] | None = None) -> tuple[float, float, float]:
-    """Mean of ``candidate - reference`` over the same requests and its 95 % bootstrap interval (resampling
-    users, :func:`bootstrap_ci`): two rankings of the same requests differ by much less than either's own
-    interval, so a comparison is judged by this, not by whether their intervals overlap."""
-    differences = [a - b for a, b in zip(candidate, reference, strict=True)]
-    low, high = bootstrap_ci(differences, seed, clusters=clusters)
-    return (statistics.fmean(differences) if differences else 0.0), low, high
 
 
 def summarize(choices: Sequence[Sequence[tuple[str, str]]], metrics: Sequence[Sequence[dict[str, float]]],
@@ -444,7 +408,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                        paired=paired_fields(ranking, references, args.seed, clusters))
             reference = reference or (row["model"], ranking)
             rows.append(row)
-    line = sample_line(len(set(users)), args.candidates, args.history, sample["permutations"], "users", len(requests))
+    line = sample_line(sample["users"], args.candidates, args.history, sample["permutations"], "users", len(requests))
     print(f"{line}, seed {args.seed}, {sample['split']}")
     print(format_table(rows, args.candidates, sample["permutations"], baselines))
     if stage is not None:
@@ -453,19 +417,6 @@ def run(args: argparse.Namespace) -> list[Row]:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
-
-
-PAIRED_METRICS = ("hr1", "ndcg10")
-
-
-def paired_fields(ranking: Sequence[Mapping[str, float]], references: Mapping[str, Sequence[Mapping[str, float]]],
-                  seed: int, clusters: Sequence[str] | None = None) -> dict[str, dict[str, list[float]]]:
-    """A row's ``paired`` field: per reference ranking (the first model listed, the baselines) and metric,
-    ``[mean difference, 95 % low, high]`` of ``ranking - reference`` on the same requests
-    (:func:`paired_difference`)."""
-    return {name: {m: list(paired_difference([q[m] for q in ranking], [q[m] for q in values], seed, clusters))
-                   for m in PAIRED_METRICS}
-            for name, values in references.items()}
 
 
 def format_paired(rows: Sequence[Row]) -> str:

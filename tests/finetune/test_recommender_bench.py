@@ -9,11 +9,11 @@ import pytest
 
 from kvshard.cli import build_parser
 from kvshard.prompts import RecommendationRequest
+from kvshard_bench.paired import paired_difference
 from kvshard_bench.recommender import (
     bootstrap_ci,
     item_knn_quality,
     meets_targets,
-    paired_difference,
     permutations,
     popularity_quality,
     resolve_model,
