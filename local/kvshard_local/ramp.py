@@ -16,11 +16,11 @@ is where the added pod sits at the target), is held until the new pod answers wa
 ``m·u`` and 0.5 × ``m·u`` (the HPA's ``ceil(sum / target)`` comes back to ``m``). Prometheus scrapes
 each pod at its own moments, so the sum wanders around the level by about a tenth — as much as the
 HPA's tolerance: at the target level (1 ×) the autoscaler may already act, which the ramp accepts
-(it holds whatever level the decision came at and falls from there); 1.5 × is clear of the noise,
-and so is the bottom of the fall. Each level lasts the query's window plus two evaluation periods,
-so the query has seen it whole; a falling level adds the scale-down stabilisation window. After
-scale-in the load drops to the bottom of the fall (at 1 × on the minimum pods noise could add the pod
-back) and stays for as long as the rise took, counted from the last change settled: on a starved
+(it then holds at 1.5 × all the same, so the new pod is wanted until it answers, and falls from there);
+1.5 × is clear of the noise, and so is the bottom of the fall. Each level lasts the query's window plus
+two evaluation periods, so the query has seen it whole; a falling level adds the scale-down stabilisation
+window. After scale-in the load drops to the bottom of the fall (at 1 × on the minimum pods noise could
+add the pod back) and stays for as long as the rise took, counted from the last change settled: on a starved
 machine the pressure's latency half can still add a pod, and 'after' then starts once that settled.
 The whole ramp is bounded by ``timeout_s``: if the autoscaler never decides, the ramp ends with an
 ``outcome`` that says where it stopped and why, and what was recorded up to then is still reported
@@ -186,12 +186,16 @@ class LoadRamp:
             return (f"the autoscaler did not add a pod within the ramp's {self.timeout_s:.0f} s: the query peaked at "
                     f"{peak:.2f}, it acts above {rules.min_replicas * rules.target * (1 + TOLERANCE):.2f} "
                     f"(min pods × target × (1 + tolerance))")
-        self._set("hold", self.level)
+        # Held at the top level whatever level the decision came at: held at 1 × (a decision on the noise) the
+        # sum sits at the minimum pods' target, the HPA may take the new pod back before the router sent it
+        # anything (measured: `kvshard demo` 2026-12-06, scale-in 55 s after scale-out, no answer), and at
+        # 1.5 × the added pod sits at the target.
+        self._set("hold", plan.rise[-1])
         if not self._wait(self._grown_and_answered, deadline, deadline):
             return (f"the autoscaler decided to add a pod but it did not answer a request warm within the ramp's "
                     f"{self.timeout_s:.0f} s")
         self._wait(lambda: False, time.monotonic() + plan.dwell_s, deadline)
-        fall = [level for level in plan.fall if level < self.level] or [plan.fall[-1]]  # decided below the top
+        fall = [level for level in plan.fall if level < self.level] or [plan.fall[-1]]  # below the hold
         for i, level in enumerate(fall):
             self._set("fall", level)
             last = i == len(fall) - 1
