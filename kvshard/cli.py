@@ -65,7 +65,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def _add_model_commands(sub: Any) -> None:
-    model = sub.add_parser("model", help="prepare, fine-tune and merge models",
+    model = sub.add_parser("model", help="prepare, fine-tune and merge models, and choose their fusion weight",
                            description="Model preparation, fine-tuning and adapter merging.")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="COMMAND")
     prepare = model_sub.add_parser(
@@ -108,6 +108,22 @@ def _add_model_commands(sub: Any) -> None:
     merge.add_argument("--name", default=None, help="model name recorded in kvshard-identity.json "
                        "(default: the target folder's name)")
     merge.set_defaults(handler=_model_merge)
+    fusion = model_sub.add_parser(
+        "fusion-weight", help="choose the retrieval stage's weight in a trained model's served ranking",
+        description="Score an adapter's validation prompts (training users' second-to-last items, drawn as its "
+        "provenance's settings draw them), rank them by z(model) + W x z(retrieval stage score) for each W of a grid "
+        "fixed in advance, and record the W with the best NDCG@10 in provenance.json (served_fusion). The merge "
+        "carries it into the merged model, and the sidecar uses it for a request with retrieval_scores and no "
+        "retrieval_weight. `kvshard model finetune` already does this at its final validation; this command is for "
+        "adapters trained before, or to choose on more prompts.",
+    )
+    fusion.add_argument("adapter", type=Path, help="adapter folder (adapter_model.safetensors, provenance.json)")
+    fusion.add_argument("--prompts", type=int, default=300,
+                        help="validation prompts to choose on (default: %(default)s, ~1 s each on two CPU cores)")
+    fusion.add_argument("--base", type=Path, default=None,
+                        help="the base folder the adapter was trained on (default: SmolLM2 in the cache)")
+    fusion.add_argument("--dry-run", action="store_true", help="print the table, leave provenance.json as it is")
+    fusion.set_defaults(handler=_lazy("kvshard_training.fusion_weight", "run"))
 
 
 def _model_prepare(args: argparse.Namespace) -> int:

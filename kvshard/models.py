@@ -102,6 +102,21 @@ def model_interaction(model: Path) -> int:
     return interaction
 
 
+DEFAULT_RETRIEVAL_WEIGHT = 1.0
+"""The retrieval stage's weight in the fused ranking for a model that records none (the base model, a folder
+merged before the weight was recorded): 1 : 1, fixed before any measurement."""
+
+
+def model_retrieval_weight(model: Path) -> float:
+    """The retrieval stage's weight in ``model``'s fused ranking (:func:`kvshard.ranking.fuse_scores`): the one
+    chosen on validation prompts when the model was trained or later (``kvshard model fusion-weight``) and
+    merged into ``kvshard-adapter.json``; :data:`DEFAULT_RETRIEVAL_WEIGHT` where none is recorded."""
+    weight = _merge_record(model).get("retrieval_weight", DEFAULT_RETRIEVAL_WEIGHT)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
+        raise ValueError(f"{model / MERGE_RECORD}: retrieval_weight must be a finite number at least 0, got {weight!r}")
+    return float(weight)
+
+
 def model_blend(model: Path) -> dict[str, object]:
     """The ``spec.blend`` fields ``model`` calls for (``{}``: kvshard's defaults).
 

@@ -20,7 +20,8 @@ It prints each set's HR@1 and NDCG@10 per weight (``stage`` = the stage's score 
 maximizes validation NDCG@10, and on the held-out sets the paired differences (users resampled) of that
 weight against 1 and against the stage alone.
 
-Run: ``.venv/bin/python bench/experiments/fusion_weight.py [MODEL] [VALIDATION]`` from ``bench/experiments``
+Run: ``.venv/bin/python bench/experiments/fusion_weight.py [MODEL] [VALIDATION] [POSITIONS] [FRESH_AFTER]`` from
+``bench/experiments``
 (default ``late``, 300 validation prompts; ~1 s per prompt on 2 idle cores, 25 minutes for the three sets,
 scores cached in /tmp/late_scorer_ensembles/).
 
@@ -44,8 +45,9 @@ Answer (2026-12-06, the shipped late scorer):
 held-out sets (on uniform negatives beyond noise), and level with the stage's score alone — slightly above
 it on the stage's own candidates (NDCG@10 .092 against .088 over all requests), not measurably. So at this
 training budget the late scorer's text reading adds little the co-occurrence score lacks; what it adds
-shows only once the stage carries the larger weight. A request can ask for that weight today
-(``retrieval_weight``); choosing it per model at training time is not built.
+shows only once the stage carries the larger weight. Since then the weight is chosen per model the same way
+(:func:`kvshard.ranking.choose_fusion_weight`, at fine-tuning's final validation or by ``kvshard model
+fusion-weight``), recorded in its provenance, and the sidecar's default for that model.
 """
 
 from __future__ import annotations
@@ -57,13 +59,13 @@ from late_scorer_ensembles import model_scores
 
 from kvshard.datasets import load_dataset
 from kvshard.prompts import RecommendationRequest, request_users, sample_requests
-from kvshard.ranking import fuse_scores, quality
+from kvshard.ranking import FUSION_WEIGHTS, choose_fusion_weight, fuse_scores, quality
 from kvshard.retrieval import RetrievalIndex, retrieval_requests
 from kvshard.splits import UserSplit, validation_requests
 from kvshard_bench.paired import paired_difference
 from kvshard_training.teacher import ItemKnnTeacher
 
-WEIGHTS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+WEIGHTS = FUSION_WEIGHTS
 STAGE = "stage"
 POSITIONS = 5
 
@@ -78,19 +80,26 @@ def per_request(model: list[list[float]], stage: list[list[float]], requests: li
     return out
 
 
-def main(spec: str = "late", validation_prompts: int = 300) -> None:
+def main(spec: str = "late", validation_prompts: int = 300, positions: int = POSITIONS, fresh_after: int = 0) -> None:
+    """``positions``: each held-out user's last N items; ``fresh_after`` K: only those beyond the last K (a
+    replication on requests the first run never scored: ``fusion_weight.py late 300 10 5``)."""
     dataset = load_dataset("movielens-100k")
     split = UserSplit()
     training_users = split.training_users(dataset)
     knn = ItemKnnTeacher(dataset.histories, training_users)
     index = RetrievalIndex.fit(dataset, split)
     heldout = split.heldout_dataset(dataset)
-    staged = retrieval_requests(heldout, index, 191, 10, 20, 0, POSITIONS)
+    seen = ({(r.user_id, r.target) for r in sample_requests(heldout, 191, 10, 20, 0, fresh_after)} if fresh_after
+            else set())
+    staged = [r for r in retrieval_requests(heldout, index, 191, 10, 20, 0, positions)
+              if (r.request.user_id, r.request.target) not in seen]
     recall = sum(r.retrieved for r in staged) / len(staged)
+    suffix = f"p{positions}" + (f"-after{fresh_after}" if fresh_after else "")
     sets = {f"validation{validation_prompts}": validation_requests(dataset, training_users, 10, 20,
                                                                    validation_prompts, 1),
-            f"held-out-p{POSITIONS}": sample_requests(heldout, 191, 10, 20, 0, POSITIONS),
-            f"retrieved-p{POSITIONS}": [r.request for r in staged if r.retrieved]}
+            f"held-out-{suffix}": [r for r in sample_requests(heldout, 191, 10, 20, 0, positions)
+                                   if (r.user_id, r.target) not in seen],
+            f"retrieved-{suffix}": [r.request for r in staged if r.retrieved]}
     chosen: float | None = None
     for name, requests in sets.items():
         validation = name.startswith("validation")
@@ -109,7 +118,7 @@ def main(spec: str = "late", validation_prompts: int = 300) -> None:
             print(f"  {label:<12} HR@1 {hr1:.3f}  NDCG@10 {ndcg:.3f}"
                   + (f"   (all: HR@1 {hr1 * scale:.3f}, NDCG@10 {ndcg * scale:.3f})" if scale != 1.0 else ""))
         if validation:
-            chosen = max(WEIGHTS, key=lambda w: (statistics.fmean(a["ndcg10"] for a in results[w]), -w))
+            chosen = choose_fusion_weight(model, stage, [r.candidates.index(str(r.target)) for r in requests]).weight
             print(f"  chosen on validation (max NDCG@10): W = {chosen:g}")
             continue
         assert chosen is not None
@@ -122,4 +131,4 @@ def main(spec: str = "late", validation_prompts: int = 300) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2], *(int(n) for n in sys.argv[2:3]))
+    main(*sys.argv[1:2], *(int(n) for n in sys.argv[2:5]))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshard.datasets import Dataset
-from kvshard.models import model_template
+from kvshard.models import model_retrieval_weight, model_template
 from kvshard.prompts import PromptBuilder, RecommendationRequest
 from kvshard.ranking import fuse_scores, rank_candidates
 
@@ -36,6 +36,8 @@ class FullPrefillReference:
         if readout is None:
             raise ValueError(f"{model.name} is not a scorer model: its reference is the sidecar's own full prefill")
         self.readout = readout
+        self.retrieval_weight = model_retrieval_weight(model)
+        """What the sidecar fuses with when a request names no weight: the model's recorded one."""
         self.builder = PromptBuilder(tokenizer, dataset, template=model_template(model))
         self.engine = BlendEngine.load(model)
 
@@ -50,7 +52,8 @@ class FullPrefillReference:
             raise ValueError("the full prefill with a readout returned no scores")
         scores = result.scores.tolist()
         stage = body.get("retrieval_scores")  # ranked as the sidecar ranks it: fused with the stage's scores
-        fused = None if stage is None else fuse_scores(scores, stage, float(body.get("retrieval_weight", 1.0)))
+        weight = float(body.get("retrieval_weight", self.retrieval_weight))
+        fused = None if stage is None else fuse_scores(scores, stage, weight)
         ranking = rank_candidates(request.candidates, built.labels, scores, fused)
         return {"mode": "rank", "engine": "in-process full prefill", "label": ranking[0].label,
                 "candidate": ranking[0].candidate, "ranking": [ranked.as_json() for ranked in ranking],

@@ -208,6 +208,8 @@ class Replay:
             record.label, record.candidate = body.get("label"), body.get("candidate")
             record.target_rank = report.target_rank(body, request.target)
             record.num_candidates = len(request.candidates)
+            weight = body.get("retrieval_weight")
+            record.retrieval_weight = float(weight) if isinstance(weight, (int, float)) else None
         elif isinstance(body, dict):
             record.error = json.dumps(body.get("error", body))[:300]
         if placement is not None:

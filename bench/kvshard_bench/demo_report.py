@@ -74,6 +74,8 @@ class Record:
     """Whether the candidates were the retrieval stage's (the target among them only if it retrieved it)."""
     retrieval_rank: int | None = None
     """The target's 0-based position in the retrieval stage's order (None: not retrieved, or not from it)."""
+    retrieval_weight: float | None = None
+    """The stage's weight the sidecar fused with, as its reply says (None: no fusion)."""
 
     @property
     def ok(self) -> bool:
@@ -150,6 +152,7 @@ def retrieval_quality(records: Iterable[Record]) -> dict[str, Any] | None:
     share = len(retrieved) / len(used)
     return {
         "requests": len(used), "retrieved": len(retrieved), "recall": share,
+        "weights": sorted({r.retrieval_weight for r in used if r.retrieval_weight is not None}),
         "served": {"all": mean([r.target_rank for r in used], len(used)),
                    "retrieved": mean([r.target_rank for r in retrieved], len(retrieved))},
         "retrieval_order": {"all": mean([r.retrieval_rank for r in used], len(used)),
@@ -157,6 +160,13 @@ def retrieval_quality(records: Iterable[Record]) -> dict[str, Any] | None:
         "random": {"all": {m: None if v is None else v * share for m, v in random_retrieved.items()},
                    "retrieved": random_retrieved},
     }
+
+
+def _weights(stage: Mapping[str, Any]) -> str:
+    """``"2 × "`` for the stage's weight the sidecars fused with ("" for 1 or none reported; all of them,
+    slash-separated, if pods served different models)."""
+    weights = [float(w) for w in stage.get("weights", [])]
+    return "" if weights in ([], [1.0]) else "/".join(f"{w:g}" for w in weights) + " × "
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -354,8 +364,8 @@ def render(summary: Mapping[str, Any]) -> str:
                 f"({stage['retrieved']} targets retrieved); 'all' counts a missed target as 0 for every ranking"]
         rows = [[name, *(_fmt(stage[key][subset][m], ".2f") for subset in ("all", "retrieved")
                          for m in ("ndcg10", "hr1"))]
-                for name, key in (("served: model + retrieval score", "served"), ("retrieval order", "retrieval_order"),
-                                  ("random", "random"))]
+                for name, key in ((f"served: model + {_weights(stage)}retrieval score", "served"),
+                                  ("retrieval order", "retrieval_order"), ("random", "random"))]
         out += _table(["ranking", "NDCG@10 (all)", "HR@1 (all)", "NDCG@10 (retrieved)", "HR@1 (retrieved)"], rows)
     out += [""]
     phases: Mapping[str, Mapping[str, Any]] = summary["phases"]

@@ -32,7 +32,7 @@ Beside each model, ``<model> + retrieval score`` (``fused_with_retrieval``; ``--
 it) ranks by the same scores fused with the retrieval stage's score of each candidate
 (:func:`kvshard.ranking.fuse_scores`, :meth:`kvshard.retrieval.RetrievalIndex.scores`), on either
 candidate set: what the sidecar answers a request that carries ``retrieval_scores`` (``--retrieval-weight``:
-the stage's weight, as a request's ``retrieval_weight``; default 1, the sidecar's).
+the stage's weight, as a request's ``retrieval_weight``; default each model's own, as the sidecar serves it).
 
 ``--positions N`` asks each sampled user's last N items instead of the last one (more requests from the
 same held-out users; every interval then resamples users, a user's requests together), and under the table
@@ -106,9 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "retrieval stage's score of each candidate (kvshard.retrieval: summed co-occurrence "
                              "with the history), z-scores summed 1 : 1, as the sidecar ranks a request that "
                              "carries retrieval_scores (default: on)")
-    parser.add_argument("--retrieval-weight", type=float, default=1.0, metavar="W",
+    parser.add_argument("--retrieval-weight", type=float, default=None, metavar="W",
                         help="the stage's weight in those rows, z(model) + W · z(stage): a request's "
-                             "retrieval_weight (default: %(default)s, the sidecar's default)")
+                             "retrieval_weight (default: each model's own, as the sidecar serves it: the weight "
+                             "chosen on validation when it was trained, `kvshard model fusion-weight`; 1 where "
+                             "none is recorded)")
     parser.add_argument("--positions", type=int, default=1,
                         help="targets per user: each user's last N interactions, latest first, each with the "
                              "--history items before it, so --users held-out users give up to N times the "
@@ -282,24 +284,25 @@ def sample_line(users: int, candidates: int, history: int, orders: int, who: str
 def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[RecommendationRequest]],
                    seed: int, progress: bool = True, retrieved: Sequence[bool] | None = None,
                    stage_scores: Callable[[RecommendationRequest], list[float]] | None = None,
-                   retrieval_weight: float = 1.0, clusters: Sequence[str] | None = None
+                   retrieval_weight: float | None = None, clusters: Sequence[str] | None = None
                    ) -> tuple[list[Row], dict[str, list[dict[str, float]]]]:
     """Score every permutation of every request with the blend engine's full prefill — the label logits at
     the answer position, or for a model trained as an isolated scorer its per-candidate scores
     (:mod:`kvshard_sidecar.engine.isolated_scorer`, float32 head); one summary row, and with
     ``stage_scores`` a second (``<model> + retrieval score``) ranking by the same scores fused with the
-    retrieval stage's (:func:`kvshard.ranking.fuse_scores`, weight ``retrieval_weight``: what the sidecar
-    answers a request that carries ``retrieval_scores`` and that weight). ``retrieved`` flags the requests
-    whose target the retrieval stage retrieved: the rows add ``retrieved_*`` over those; ``clusters`` names
+    retrieval stage's (:func:`kvshard.ranking.fuse_scores`, weight ``retrieval_weight``, by default the model's
+    recorded one: what the sidecar answers a request that carries ``retrieval_scores``). ``retrieved`` flags
+    the requests whose target the retrieval stage retrieved: the rows add ``retrieved_*`` over those; ``clusters`` names
     each request's user (intervals resample users). Also returns each row's per-request quality, by model
     name, for paired comparisons."""
-    from kvshard.models import model_scorer, model_template
+    from kvshard.models import model_retrieval_weight, model_scorer, model_template
     from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
     from kvshard_sidecar.engine.isolated_scorer import Readout, scoring_prompt
     from kvshard_sidecar.engine.model import load_model
 
     loaded = load_model(path)
     scorer = model_scorer(path)
+    weight = model_retrieval_weight(path) if retrieval_weight is None else retrieval_weight
     readout = Readout.for_model(loaded.tokenizer, path)
     engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())
 
@@ -313,7 +316,7 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
     # each model is asked as it was trained (a merged adapter records its template's label position)
     builder = PromptBuilder(loaded.tokenizer, dataset, template=model_template(path))
     name = loaded.identity.name
-    fused_name = f"{name} + {'' if retrieval_weight == 1.0 else f'{retrieval_weight:g} × '}{FUSED_SUFFIX}"
+    fused_name = f"{name} + {'' if weight == 1.0 else f'{weight:g} × '}{FUSED_SUFFIX}"
     answers = Answers([name, fused_name] if stage_scores is not None else [name])
     tokens: list[int] = []
     bar = tqdm(total=sum(len(o) for o in orders), desc=f"recommender {loaded.identity.name}", unit="prompt",
@@ -326,7 +329,7 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
                 model_scores = scores(built)
             answers.add(name, built, model_scores)
             if stage_scores is not None:
-                answers.add(fused_name, built, fuse_scores(model_scores, stage_scores(request), retrieval_weight))
+                answers.add(fused_name, built, fuse_scores(model_scores, stage_scores(request), weight))
             tokens.append(len(built.prompt))
             bar.update()
     bar.close()
@@ -335,7 +338,7 @@ def evaluate_model(path: Path, dataset: Dataset, orders: Sequence[Sequence[Recom
         row: Row = {"model": summary["model"], "revision": loaded.identity.revision, "path": str(path),
                     "label_position": builder.template.label_position, "scorer": scorer,
                     "fused_with_retrieval": summary["model"] == fused_name,
-                    "retrieval_weight": retrieval_weight if summary["model"] == fused_name else None}
+                    "retrieval_weight": weight if summary["model"] == fused_name else None}
         row.update({k: v for k, v in summary.items() if k not in ("model", "targets_met")})
         if retrieved is not None:
             row.update({f"retrieved_{m}": v for m, v in answers.subset_quality(summary["model"], retrieved).items()})

@@ -10,7 +10,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvshard.ranking import (
+    FUSION_WEIGHTS,
     best_index,
+    choose_fusion_weight,
     fuse_scores,
     kendall_tau,
     label_logprobs,
@@ -109,3 +111,24 @@ def test_fusion_sums_the_z_scores_with_the_stages_weight() -> None:
         fuse_scores([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="finite"):
         fuse_scores([1.0, 2.0], [1.0, math.nan])
+
+
+def test_the_fusion_weight_is_the_one_whose_ranking_validates_best() -> None:
+    # three prompts of four candidates, the target last: the stage knows it, the model ranks it last
+    stage = [[1.0, 2.0, 3.0, 4.0]] * 3
+    model = [[3.0, 2.0, 1.0, 0.0]] * 3
+    choice = choose_fusion_weight(model, stage, [3, 3, 3])
+    assert choice.by_weight[0.0]["hr1"] == 0.0 and choice.stage_alone["hr1"] == 1.0
+    # every weight that lets the stage win ties on NDCG@10; the smallest of them is chosen
+    winners = [w for w in FUSION_WEIGHTS if choice.by_weight[w]["ndcg10"] == 1.0]
+    assert winners and choice.weight == min(winners) and choice.weight > 1.0
+    # a model that knows better than the stage keeps the stage out
+    assert choose_fusion_weight(stage, model, [3, 3, 3]).weight == 0.0
+    assert choice.as_json()["retrieval_weight"] == choice.weight and choice.as_json()["prompts"] == 3
+
+
+def test_the_fusion_weight_needs_one_score_list_and_target_per_prompt() -> None:
+    with pytest.raises(ValueError, match="per prompt"):
+        choose_fusion_weight([[1.0, 2.0]], [[1.0, 2.0]], [0, 1])
+    with pytest.raises(ValueError, match="per prompt"):
+        choose_fusion_weight([], [], [])

@@ -51,6 +51,16 @@ def test_provenance_records_command_seed_split_and_base_hash(tiny_adapter: Path)
     assert record["teacher"]["kind"] == "item-knn" and 0.0 <= record["teacher"]["validation"]["hr1"] <= 1.0
 
 
+def test_training_chooses_the_retrieval_stages_weight_on_its_final_validation(tiny_adapter: Path) -> None:
+    from kvshard.ranking import FUSION_WEIGHTS
+
+    fusion = json.loads((tiny_adapter / "provenance.json").read_text())["served_fusion"]
+    assert fusion["prompts"] == 2 and set(fusion["by_weight"]) == {f"{w:g}" for w in FUSION_WEIGHTS}
+    best = max(m["ndcg10"] for m in fusion["by_weight"].values())
+    best_weights = [w for w in FUSION_WEIGHTS if fusion["by_weight"][f"{w:g}"]["ndcg10"] == best]
+    assert fusion["retrieval_weight"] == min(best_weights)  # the best NDCG@10, ties to the smaller weight
+
+
 def test_the_recorded_command_parses_back_to_the_same_settings(tmp_path: Path) -> None:
     settings = FinetuneSettings(out=tmp_path, history=7, targets=("q_proj", "o_proj"), lr=3e-4, teacher="none",
                                 teacher_weight=0.25)

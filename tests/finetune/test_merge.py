@@ -1,4 +1,5 @@
-"""Merging an adapter: deterministic bytes, peft's arithmetic, a refused foreign base, loads in the engine."""
+"""Merging an adapter: deterministic bytes, peft's arithmetic, a refused foreign base, loads in the engine, and
+carries how the model is served (its prompt, its retrieval stage's weight)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshard.models import IDENTITY_FILE, MERGE_RECORD, model_prompt, model_template
+from kvshard.models import IDENTITY_FILE, MERGE_RECORD, model_prompt, model_retrieval_weight, model_template
 from kvshard.prompts import PromptBuilder, sample_requests
 from kvshard_sidecar.engine.model import default_model_path, read_identity
 from kvshard_training.merge import BaseMismatchError, is_current, merge_adapter, prepare_finetuned
@@ -131,3 +132,29 @@ def test_the_merged_folder_records_the_label_position_it_was_trained_with(
     (before / "provenance.json").write_text(json.dumps(provenance))
     again = merge_adapter(default_model_path(), before, tmp_path / "Rec", "Rec")
     assert model_prompt(again) == {}
+
+
+def test_a_fusion_weight_chosen_after_training_is_recorded_merged_again_and_served(
+        tiny_adapter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvshard.cli import main
+
+    adapter, target = tmp_path / "adapter", tmp_path / "Rec"
+    shutil.copytree(tiny_adapter, adapter)
+    provenance = json.loads((adapter / "provenance.json").read_text())
+    del provenance["served_fusion"]  # an adapter trained before the weight was chosen in training
+    (adapter / "provenance.json").write_text(json.dumps(provenance))
+    assert prepare_finetuned(default_model_path(), target, adapter_folder=adapter) == target
+    assert model_retrieval_weight(target) == 1.0 and is_current(target, adapter)
+
+    assert main(["model", "fusion-weight", str(adapter), "--prompts", "3", "--dry-run"]) == 0
+    assert "not recorded" in capsys.readouterr().out and "served_fusion" not in json.loads(
+        (adapter / "provenance.json").read_text())
+    assert main(["model", "fusion-weight", str(adapter), "--prompts", "3"]) == 0
+    printed = capsys.readouterr().out
+    fusion = json.loads((adapter / "provenance.json").read_text())["served_fusion"]
+    assert fusion["prompts"] == 3 and f"retrieval_weight {fusion['retrieval_weight']:g} chosen" in printed
+    assert "<- chosen" in printed and "(its own order)" in printed
+    # the weights did not change, but how to serve them did: the merge is stale and is made again
+    assert not is_current(target, adapter)
+    assert prepare_finetuned(default_model_path(), target, adapter_folder=adapter) == target
+    assert model_retrieval_weight(target) == fusion["retrieval_weight"] and is_current(target, adapter)

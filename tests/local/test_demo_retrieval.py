@@ -118,6 +118,14 @@ def test_the_summary_puts_the_served_model_beside_the_retrieval_order() -> None:
     assert "retrieval order" in text and "served: model + retrieval score" in text
 
 
+def test_the_served_row_names_the_stage_weight_the_sidecars_fused_with() -> None:
+    records = [record(0, 0, 1), record(1, 0, 3)]
+    for r in records:
+        r.retrieval_weight = 2.0
+    s = rep.summarize(records, [], [], {}, ["a"], 1.0)
+    assert s["retrieval"]["weights"] == [2.0] and "served: model + 2 × retrieval score" in rep.render(s)
+
+
 def test_a_summary_without_retrieval_requests_has_no_retrieval_section() -> None:
     s = rep.summarize([record(0, 0, None, from_retrieval=False)], [], [], {}, ["a"], 1.0)
     assert "retrieval" not in s and "Retrieval-stage" not in rep.render(s)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sidecar_process import Sidecar, SidecarFactory
 
-from kvshard.models import MERGED_NAMES, model_scorer, resolve_model
+from kvshard.models import MERGED_NAMES, model_retrieval_weight, model_scorer, resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -96,18 +96,21 @@ def test_with_its_vllm_gone_a_scorer_sidecar_answers_503_and_keeps_serving(start
     assert sidecar.json("GET", "/healthz")[0] == 200
 
 
-def test_the_retrieval_stages_scores_fuse_into_the_ranking(sidecar: Sidecar) -> None:
+def test_the_retrieval_stages_scores_fuse_into_the_ranking(sidecar: Sidecar, model: str) -> None:
     _, alone = sidecar.json("POST", "/v1/recommend", REQUEST)
-    model = _scores(alone)
-    worst = min(model, key=model.__getitem__)
+    alone_scores = _scores(alone)
+    worst = min(alone_scores, key=alone_scores.__getitem__)
     stage = [10.0 if c == worst else 0.0 for c in REQUEST["candidates"]]  # the stage is sure of the model's last
     status, fused = sidecar.json("POST", "/v1/recommend", {**REQUEST, "retrieval_scores": stage,
                                                            "retrieval_weight": 10})
     assert status == 200, fused
-    assert fused["candidate"] == worst and _scores(fused) == model  # reordered, the model's numbers kept
-    assert all("fused_score" in r for r in fused["ranking"])
+    assert fused["candidate"] == worst and _scores(fused) == alone_scores  # reordered, the model's numbers kept
+    assert all("fused_score" in r for r in fused["ranking"]) and fused["retrieval_weight"] == 10
+    assert "retrieval_weight" not in alone
     status, ignored = sidecar.json("POST", "/v1/recommend", {**REQUEST, "retrieval_scores": stage,
                                                              "retrieval_weight": 0})
     assert status == 200 and ignored["candidate"] == alone["candidate"]
+    status, default = sidecar.json("POST", "/v1/recommend", {**REQUEST, "retrieval_scores": stage})
+    assert status == 200 and default["retrieval_weight"] == model_retrieval_weight(resolve_model(model))
     status, error = sidecar.json("POST", "/v1/recommend", {**REQUEST, "retrieval_scores": stage[:-1]})
     assert status == 400 and error["error"]["field"] == "retrieval_scores", error

@@ -169,7 +169,7 @@ def test_prefill_needs_known_items_or_users() -> None:
 
 def test_retrieval_scores_are_one_finite_number_per_candidate_in_rank_mode() -> None:
     call = parse_recommend({**VALID, "retrieval_scores": [0.5, 2, 0.0]}, ITEMS, LIMITS)
-    assert (call.retrieval_scores, call.retrieval_weight) == ((0.5, 2.0, 0.0), 1.0)
+    assert (call.retrieval_scores, call.retrieval_weight) == ((0.5, 2.0, 0.0), None)  # None: the model's own
     assert parse_recommend({**VALID, "retrieval_scores": [1, 2, 3], "retrieval_weight": 0.5},
                            ITEMS, LIMITS).retrieval_weight == 0.5
     assert parse_recommend(VALID, ITEMS, LIMITS).retrieval_scores is None

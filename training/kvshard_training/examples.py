@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvshard.datasets import load_dataset
+from kvshard.datasets import Dataset, load_dataset
 from kvshard.prompts import (
     PromptBuilder,
     PromptTemplate,
@@ -137,6 +137,19 @@ class TrainingData:
     validation: list[Example]
     teacher: dict[str, object]
     init_adapter: dict[str, object] | None = None
+    validation_stage: list[list[float]] = field(default_factory=list)
+    """The retrieval stage's score of each validation prompt's candidates, in its first order."""
+
+
+def split_users(settings: FinetuneSettings, dataset: Dataset) -> tuple[UserSplit, list[str], list[str]]:
+    """The split ``settings`` name, its training users, and those a run draws prompts from (``--users``: a
+    seeded sample of them; 0: all)."""
+    split = UserSplit(settings.heldout_fraction, settings.split_salt)
+    training_users = split.training_users(dataset)
+    users = training_users
+    if settings.users:
+        users = sorted(random.Random(settings.seed).sample(users, min(settings.users, len(users))))
+    return split, training_users, users
 
 
 def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
@@ -144,11 +157,7 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
     and validation prompts from the training users (always two orders: validation reports position
     consistency)."""
     dataset = load_dataset(settings.dataset)
-    split = UserSplit(settings.heldout_fraction, settings.split_salt)
-    training_users = split.training_users(dataset)
-    users = training_users
-    if settings.users:
-        users = sorted(random.Random(settings.seed).sample(users, min(settings.users, len(users))))
+    split, training_users, users = split_users(settings, dataset)
     builder = PromptBuilder(tokenizer, dataset, template=PromptTemplate(label_position=settings.label_position))
     stage = RetrievalIndex.fit(dataset, split) if settings.hard_negatives > 0 else None
     requests = training_requests(dataset, users, settings.history, settings.candidates,
@@ -161,7 +170,6 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
                                      settings.seed + 1)
     rng = random.Random(f"{settings.seed}-orders")
     training_orders = [candidate_orders(r, 2 if settings.consistency > 0 else 1, rng) for r in requests]
-    validation_orders = [candidate_orders(r, 2, rng) for r in validation]
     teacher_record: dict[str, object] = {"kind": settings.teacher}
     soft: list[list[list[float]] | None] = [None] * len(requests)
     # Every training user feeds the teacher, not only the sampled ones: more co-occurrence, no leak.
@@ -189,9 +197,20 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
                            "training users before their second-to-last interaction, the prompt's own user left out"}
     if stage is not None:
         described["hard_negatives"] = {"share": settings.hard_negatives, **stage.describe()}
-    return TrainingData(dataset.name, described,
-                        examples, [Example.of(*(builder.build(o) for o in orders), isolated=isolated,
-                                              interaction=interaction,
-                                              stage=stage_terms(teacher, orders, settings.retrieval_weight))
-                                   for orders in validation_orders],
-                        teacher_record)
+    validation_examples, validation_stage = validation_set(settings, validation, builder, teacher, rng)
+    return TrainingData(dataset.name, described, examples, validation_examples, teacher_record,
+                        validation_stage=validation_stage)
+
+
+def validation_set(settings: FinetuneSettings, requests: Sequence[RecommendationRequest], builder: PromptBuilder,
+                   teacher: ItemKnnTeacher, rng: random.Random, orders: int = 2) -> tuple[list[Example],
+                                                                                     list[list[float]]]:
+    """The validation ``requests`` (:func:`kvshard.splits.validation_requests`) as examples, each under
+    ``orders`` candidate orders (two in training: validation reports position consistency), and the
+    retrieval stage's score of each prompt's candidates in its first order, the prompt's own user left out
+    (what :func:`kvshard.ranking.choose_fusion_weight` fuses with the model's)."""
+    ordered = [candidate_orders(r, orders, rng) for r in requests]
+    examples = [Example.of(*(builder.build(o) for o in each), isolated=settings.scorer != "answer",
+                           interaction=settings.interaction_of_scorer(),
+                           stage=stage_terms(teacher, each, settings.retrieval_weight)) for each in ordered]
+    return examples, [teacher.stage_scores(each[0].history, each[0].candidates, each[0].user_id) for each in ordered]

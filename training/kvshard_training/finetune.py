@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvshard.paths import cache_dir
-from kvshard.ranking import QUALITY_METRICS, best_index, quality
+from kvshard.ranking import QUALITY_METRICS, best_index, choose_fusion_weight, quality
 from kvshard_sidecar.engine.isolated_scorer import (
     batched_isolated_scores,
     isolated_scores,
@@ -230,11 +230,14 @@ def order_scores(causal_lm: Any, example: Example, readout: int) -> torch.Tensor
 
 
 @torch.inference_mode()
-def evaluate(causal_lm: Any, examples: Sequence[Example], readout: int = 0) -> dict[str, float]:
+def evaluate(causal_lm: Any, examples: Sequence[Example], readout: int = 0,
+             first_order: list[list[float]] | None = None) -> dict[str, float]:
     """Mean label-restricted loss, HR@1/HR@5/NDCG@10 (averaged over each example's candidate orders; of the
     served fusion for examples with the stage's scores, and then ``alone_*`` of the model's own ranking),
     the most chosen label's share and — for examples with several orders — ``position_consistency``,
-    the share whose chosen item is the same under every order (the recommender bench's measure)."""
+    the share whose chosen item is the same under every order (the recommender bench's measure).
+    ``first_order``, when given, receives each example's model scores in its first order (for
+    :func:`kvshard.ranking.choose_fusion_weight`)."""
     totals = dict.fromkeys(QUALITY_METRICS, 0.0)
     alone = dict.fromkeys(QUALITY_METRICS, 0.0)
     loss = 0.0
@@ -242,6 +245,8 @@ def evaluate(causal_lm: Any, examples: Sequence[Example], readout: int = 0) -> d
     consistent = compared = answers = fused = 0
     for example in examples:
         model_scores = order_scores(causal_lm, example, readout)
+        if first_order is not None:
+            first_order.append(model_scores[0].float().tolist())
         all_scores = served_scores(model_scores, example.stage)
         loss += float(F.cross_entropy(all_scores, example.targets)) * example.orders
         items = set()
@@ -346,6 +351,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     curve = LossCurve()
     ema: float | None = None
     last: dict[str, float] | None = None
+    last_scores: list[list[float]] = []
     started = time.perf_counter()
     done_steps = done_examples = 0
     bar = tqdm(total=steps, desc="finetune", unit="step", disable=not progress)
@@ -379,25 +385,27 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
         bar.update()
         bar.set_postfix(loss=f"{ema:.3f}")
         if settings.val_every and done_steps % settings.val_every == 0 and done_steps < steps:
-            last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
+            last, last_scores = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
     bar.close()
     elapsed = time.perf_counter() - started
     if last is None or last["step"] != done_steps:
-        last = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
+        last, last_scores = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
     save_adapter(peft_model, out, base["name"])
     fusion = data.split.get("retrieval_fusion")
     if log_scale is not None and isinstance(fusion, dict):
         fusion["learned_scale"] = round(float(log_scale.detach().exp()), 4)
-    write_provenance(out, settings, base, data, curve, done_steps, done_examples, elapsed, last, device)
+    write_provenance(out, settings, base, data, curve, done_steps, done_examples, elapsed, last, device,
+                     served_fusion(last_scores, data))
     log.info("adapter, curve and provenance written to %s (%.1f min)", out, elapsed / 60)
     return FinetuneResult(out, done_steps, done_examples, elapsed, last)
 
 
 def _validate(peft_model: Any, causal_lm: Any, validation: Sequence[Example], curve: LossCurve, step: int,
-              out: Path, readout: int) -> dict[str, float]:
+              out: Path, readout: int) -> tuple[dict[str, float], list[list[float]]]:
     peft_model.eval()
     started = time.perf_counter()
-    result = evaluate(causal_lm, validation, readout)
+    first_order: list[list[float]] = []
+    result = evaluate(causal_lm, validation, readout, first_order)
     peft_model.train()
     result = {"step": float(step), **result, "seconds": time.perf_counter() - started}
     curve.validation.append(result)
@@ -407,12 +415,26 @@ def _validate(peft_model: Any, causal_lm: Any, validation: Sequence[Example], cu
              result["max_label_share"], result.get("position_consistency", float("nan")),
              f" (fused with the retrieval stage's score; the model alone: HR@1 {result['alone_hr1']:.3f}, "
              f"NDCG@10 {result['alone_ndcg10']:.3f})" if "alone_hr1" in result else "")
-    return result
+    return result, first_order
+
+
+def served_fusion(first_order: list[list[float]], data: TrainingData) -> dict[str, object]:
+    """The provenance's ``served_fusion``: the retrieval stage's weight chosen on the final validation
+    (:func:`kvshard.ranking.choose_fusion_weight`), which the merge hands to every server as the model's
+    default ``retrieval_weight``."""
+    targets = [int(example.targets[0]) for example in data.validation]
+    choice = choose_fusion_weight(first_order, data.validation_stage, targets)
+    log.info("served fusion: retrieval stage weight %g chosen on %d validation prompts (NDCG@10 %.3f; the model "
+             "alone %.3f, the stage alone %.3f)", choice.weight, choice.prompts,
+             choice.by_weight[choice.weight]["ndcg10"], choice.by_weight[0.0]["ndcg10"], choice.stage_alone["ndcg10"])
+    return {**choice.as_json(), "set": "the final validation prompts' first candidate order; the stage's score "
+            "leaves each prompt's own user out"}
 
 
 def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str], data: TrainingData,
                      curve: LossCurve, steps: int, examples: int, elapsed: float,
-                     validation: dict[str, float], device: str = "cpu") -> None:
+                     validation: dict[str, float], device: str = "cpu",
+                     fusion: dict[str, object] | None = None) -> None:
     """``provenance.json``: how the adapter was made, and the base it must be merged into."""
     settings_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}
     record = {
@@ -442,6 +464,7 @@ def write_provenance(out: Path, settings: FinetuneSettings, base: dict[str, str]
         "evaluation": {"validation": validation,
                        "note": "validation = training users' second-to-last interactions; "
                                "`kvshard bench recommender` reports held-out users' last interactions"},
+        "served_fusion": fusion,
     }
     write_json_atomic(out / PROVENANCE_FILE, record)
 

@@ -183,9 +183,7 @@ def merge_adapter(base: Path, adapter_folder: Path, target: Path, name: str = FI
         write_identity(staging, name)
         record = {"adapter": adapter_folder.name, "adapter_sha256": adapter.sha256, "scale": scale,
                   "base": adapter.provenance["base"], "command": adapter.provenance.get("command"),
-                  "prompt": trained_prompt(adapter.provenance),
-                  "scorer": (adapter.provenance.get("settings") or {}).get("scorer", "answer"),
-                  "interaction": (adapter.provenance.get("settings") or {}).get("interaction", 0)}
+                  **serving_fields(adapter.provenance)}
         (staging / MERGE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         if target.exists():
             shutil.rmtree(target)
@@ -197,6 +195,20 @@ def merge_adapter(base: Path, adapter_folder: Path, target: Path, name: str = FI
     return target
 
 
+def serving_fields(provenance: dict[str, Any]) -> dict[str, object]:
+    """What the merge record tells every server about how to ask and rank with the model
+    (:mod:`kvshard.models` reads each): the prompt it was trained with, its scorer and interaction tokens,
+    and — where chosen (``served_fusion``: at the end of fine-tuning, or by ``kvshard model fusion-weight``)
+    — the retrieval stage's weight in its fused ranking."""
+    settings = provenance.get("settings") or {}
+    fields: dict[str, object] = {"prompt": trained_prompt(provenance), "scorer": settings.get("scorer", "answer"),
+                                 "interaction": settings.get("interaction", 0)}
+    fusion = provenance.get("served_fusion")
+    if isinstance(fusion, dict) and "retrieval_weight" in fusion:
+        fields["retrieval_weight"] = fusion["retrieval_weight"]
+    return fields
+
+
 def trained_prompt(provenance: dict[str, Any]) -> dict[str, str]:
     """The ``spec.prompt`` fields an adapter was trained with that differ from the default template
     (today the label position): the model must be asked that way."""
@@ -205,11 +217,15 @@ def trained_prompt(provenance: dict[str, Any]) -> dict[str, str]:
 
 
 def is_current(target: Path, adapter_folder: Path) -> bool:
-    """True when ``target`` is a complete merge of exactly this adapter's weights."""
+    """True when ``target`` is a complete merge of exactly this adapter's weights, recording what its provenance
+    says today about serving it (a weight chosen after the merge makes the merge stale)."""
     record = target / MERGE_RECORD
     if not (target / IDENTITY_FILE).exists() or not record.exists():
         return False
-    return bool(json.loads(record.read_text()).get("adapter_sha256") == Adapter.read(adapter_folder).sha256)
+    merged, adapter = json.loads(record.read_text()), Adapter.read(adapter_folder)
+    fields = serving_fields(adapter.provenance)
+    return bool(merged.get("adapter_sha256") == adapter.sha256
+                and all(merged.get(k) == fields.get(k) for k in {*fields, "retrieval_weight"}))
 
 
 def prepare_finetuned(base: Path, target: Path | None = None, adapter_folder: Path = MOVIELENS_ADAPTER,

@@ -229,13 +229,15 @@ def parse_recommend(body: Any, items: Mapping[str, object], limits: Limits,
     )
 
 
-def _retrieval(request: Mapping[str, Any], candidates: int, mode: str) -> tuple[tuple[float, ...] | None, float]:
+def _retrieval(request: Mapping[str, Any], candidates: int,
+               mode: str) -> tuple[tuple[float, ...] | None, float | None]:
     """``retrieval_scores`` (the retrieval stage's score of each candidate, in the candidates' order) and
-    ``retrieval_weight`` (its weight in the fused ranking, default 1), both for ``"mode": "rank"``."""
+    ``retrieval_weight`` (its weight in the fused ranking; ``None`` when the request leaves it to the model's
+    recorded weight), both for ``"mode": "rank"``."""
     if "retrieval_scores" not in request:
         if "retrieval_weight" in request:
             raise RequestError("retrieval_weight", "needs retrieval_scores (the weight is theirs)")
-        return None, 1.0
+        return None, None
     if mode != "rank":
         raise RequestError("retrieval_scores", "applies to \"mode\": \"rank\" only (they reorder the ranking)")
     scores = request["retrieval_scores"]
@@ -245,7 +247,8 @@ def _retrieval(request: Mapping[str, Any], candidates: int, mode: str) -> tuple[
     for i, value in enumerate(scores):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise RequestError(f"retrieval_scores[{i}]", f"must be a finite number, got {value!r}")
-    weight = float(_number(request, "retrieval_weight", 1.0, 0.0, MAX_RETRIEVAL_WEIGHT))
+    weight = (float(_number(request, "retrieval_weight", 1.0, 0.0, MAX_RETRIEVAL_WEIGHT))
+              if "retrieval_weight" in request else None)
     return tuple(float(v) for v in scores), weight
 
 

@@ -9,7 +9,7 @@ and report it all in one answer whose shape is typed here (the HTTP API sends it
 from __future__ import annotations
 
 import time
-from typing import Literal, TypedDict
+from typing import Literal, NotRequired, TypedDict, cast
 
 from kvshard.prompts import PromptBuilder, RecommendationPrompt, RecommendationRequest
 from kvshard.ranking import fuse_scores, rank_candidates
@@ -61,6 +61,8 @@ class RankAnswer(ServedJson):
     label: str
     candidate: str
     ranking: list[dict[str, str | float]]
+    retrieval_weight: NotRequired[float]
+    """Present when the ranking fused the request's ``retrieval_scores``: the stage's weight it used."""
 
 
 class GenerateAnswer(ServedJson):
@@ -119,13 +121,17 @@ class Answerer:
                                "each one alone) and does not generate: ask \"mode\": \"rank\"", status=422)
         if call.mode == "rank":
             scored = self.compute.label_scores(built, call)
-            fused = (None if call.retrieval_scores is None
-                     else fuse_scores(scored.scores, call.retrieval_scores, call.retrieval_weight))
+            weight = host.retrieval_weight if call.retrieval_weight is None else call.retrieval_weight
+            fused = None if call.retrieval_scores is None else fuse_scores(scored.scores, call.retrieval_scores, weight)
             ranking = rank_candidates(built.request.candidates, built.labels, scored.scores, fused)
             self._after(built, call, scored)
-            return {"mode": "rank", "label": ranking[0].label, "candidate": ranking[0].candidate,
-                    "ranking": [ranked.as_json() for ranked in ranking[: call.top_k]],
-                    **self._served(call, scored, started)}
+            # mypy cannot see that a non-required key may be missing from a ** item, hence the cast
+            answer = cast(RankAnswer, {"mode": "rank", "label": ranking[0].label, "candidate": ranking[0].candidate,
+                                       "ranking": [ranked.as_json() for ranked in ranking[: call.top_k]],
+                                       **self._served(call, scored, started)})
+            if fused is not None:
+                answer["retrieval_weight"] = weight
+            return answer
         generated = self.compute.generate(built, call)
         tokenizer = host.tokenizer
         label = tokenizer.decode(generated.token_ids[:1]).strip()

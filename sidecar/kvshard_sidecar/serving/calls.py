@@ -47,7 +47,9 @@ class RecommendCall:
     retrieval_scores: tuple[float, ...] | None = None
     """Rank mode: the retrieval stage's score of each candidate; the ranking fuses them with the model's
     (:func:`kvshard.ranking.fuse_scores`)."""
-    retrieval_weight: float = 1.0
+    retrieval_weight: float | None = None
+    """The stage's weight in the fused ranking; ``None``: the served model's own
+    (:func:`kvshard.models.model_retrieval_weight`, chosen on validation when it was trained)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from kvshard.models import model_prompt, model_scorer, resolve_model
+from kvshard.models import model_prompt, model_retrieval_weight, model_scorer, resolve_model
 from kvshard.prompts import PromptBuilder, TextTokenizer
 from kvshard.segments import ModelIdentity, Prompt
 from kvshard_sidecar.blockstore import BlockStore
@@ -59,6 +59,8 @@ class ModelHost:
         self.scorer = model_scorer(self.path)
         """How the model ranks (:data:`kvshard.models.SCORERS`): at the answer position, or each candidate
         scored alone (:mod:`kvshard_sidecar.engine.isolated_scorer`, embedded engine only)."""
+        self.retrieval_weight = model_retrieval_weight(self.path)
+        """The retrieval stage's weight in a fused ranking when a request names none (the model's own)."""
         self.vllm_computes = settings.engine == "vllm" and self.scorer != "answer"
         """A scorer served with ``--engine vllm``: vLLM does all the math (:mod:`kvshard_sidecar.vllm.scorer`),
         this process holds the tokenizer, never the weights, and admits ``vllm_concurrency`` requests."""
