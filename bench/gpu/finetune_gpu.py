@@ -32,7 +32,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +53,7 @@ COLUMNS = ("device", "name", "batch", "examples", "seconds", "examples_per_secon
 def recipe_settings(provenance: Path = RECIPE) -> FinetuneSettings:
     """The settings recorded in an adapter's provenance (fields this version does not know are ignored,
     fields the record lacks keep their defaults), without the ones this script sets per run."""
-    recorded: dict[str, Any] = json.loads(provenance.read_text())["settings"]
-    known = {f.name for f in fields(FinetuneSettings)} - set(RUN_FIELDS)
-    values: dict[str, Any] = {name: tuple(value) if isinstance(value, list) else value
-              for name, value in recorded.items() if name in known}
-    return replace(FinetuneSettings(), **values)
+    return FinetuneSettings.from_record(json.loads(provenance.read_text())["settings"], exclude=RUN_FIELDS)
 
 
 def device_settings(recipe: FinetuneSettings, device: str, examples: int, batch: int, accumulation: int,

@@ -43,19 +43,11 @@ from kvshard_training.teacher import ItemKnnTeacher
 log = logging.getLogger(__name__)
 
 def trained_settings(provenance: dict[str, Any], prompts: int) -> FinetuneSettings:
-    """The settings an adapter was trained with (its provenance's ``settings``), asking ``prompts``
-    validation prompts; fields this version does not know are ignored, missing ones take their defaults."""
-    recorded = provenance.get("settings") or {}
-    known = {f.name: f for f in dataclasses.fields(FinetuneSettings)}
-    values: dict[str, Any] = {}
-    for name, value in recorded.items():
-        if name not in known or value is None:
-            continue
-        values[name] = tuple(value) if isinstance(value, list) else value
-    for name in ("out", "model", "init_adapter", "teacher_model"):
-        if isinstance(values.get(name), str):
-            values[name] = Path(values[name])
-    return dataclasses.replace(FinetuneSettings(**values), val_users=prompts)
+    """The settings an adapter was trained with (its provenance's ``settings``; not its folders: the base is
+    ``--base``), asking ``prompts`` validation prompts."""
+    recorded = FinetuneSettings.from_record(provenance.get("settings") or {},
+                                            exclude=("out", "model", "init_adapter", "teacher_model"))
+    return dataclasses.replace(recorded, val_users=prompts)
 
 
 @torch.inference_mode()

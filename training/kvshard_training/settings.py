@@ -11,8 +11,10 @@ for the final validation inside the hour.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from kvshard import settings as settings_lib
 from kvshard.models import SCORERS
@@ -193,6 +195,16 @@ class FinetuneSettings:
     def interaction_of_scorer(self) -> int | None:
         """:attr:`IsolatedInputs.interaction` for this scorer (``None``: every item token reads the prefix)."""
         return self.interaction if self.scorer == "late" else None
+
+    @classmethod
+    def from_record(cls, recorded: Mapping[str, Any], exclude: Iterable[str] = ()) -> FinetuneSettings:
+        """The settings a provenance's ``settings`` record holds, but for the fields named in ``exclude``
+        (they keep their defaults, as do fields the record lacks); fields this version does not know are
+        ignored, and lists (the LoRA targets) come back as tuples."""
+        known = {f.name for f in fields(cls)} - set(exclude)
+        values: dict[str, Any] = {name: tuple(value) if isinstance(value, list) else value
+                                  for name, value in recorded.items() if name in known}
+        return cls(**values)
 
     def command(self) -> str:
         """The ``kvshard model finetune`` command line that reproduces these settings."""
