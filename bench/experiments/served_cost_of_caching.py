@@ -11,8 +11,10 @@ provenance). This script reads both models' cached scores on the held-out sets o
 /tmp/late_scorer_ensembles/) and prints, per set, each ranking's HR@1 and NDCG@10 alone and fused at its
 model's own weight, and the paired difference late − isolated (users resampled, 2,000 resamples).
 
-Run: ``cd bench/experiments && ../../.venv/bin/python served_cost_of_caching.py [POSITIONS]`` (seconds:
-it only reads cached scores).
+Run: ``cd bench/experiments && ../../.venv/bin/python served_cost_of_caching.py [POSITIONS] [FIRST SECOND]``
+(seconds: it only reads cached scores). ``FIRST`` and ``SECOND`` default to ``late`` and ``scorer``; any two
+merged models compare the same way (``FIRST − SECOND``), each at the weight its merge records
+(:func:`kvshard.models.model_retrieval_weight`) — e.g. a new late scorer against the shipped one.
 
 Answer (2026-12-06, the shipped adapters; late fused at 2, isolated at 3):
 
@@ -41,7 +43,6 @@ uniform negatives the isolated scorer served at 3 is above it (NDCG@10 +.014, +.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 
@@ -49,23 +50,16 @@ from fusion_weight import STAGE, per_request
 from late_scorer_ensembles import model_scores
 
 from kvshard.datasets import load_dataset
+from kvshard.models import model_retrieval_weight, resolve_model
 from kvshard.prompts import RecommendationRequest, request_users, sample_requests
 from kvshard.retrieval import RetrievalIndex, retrieval_requests
 from kvshard.splits import UserSplit
 from kvshard_bench.paired import paired_difference
-from kvshard_training.merge import MOVIELENS_LATE_ADAPTER, MOVIELENS_SCORER_ADAPTER
-from kvshard_training.report import PROVENANCE_FILE
 
-MODELS = {"late": MOVIELENS_LATE_ADAPTER, "scorer": MOVIELENS_SCORER_ADAPTER}
+MODELS = ("late", "scorer")
 
 
-def recorded_weight(spec: str) -> float:
-    """The fusion weight the shipped adapter's provenance records (what the sidecar serves it with)."""
-    provenance = json.loads((MODELS[spec] / PROVENANCE_FILE).read_text())
-    return float(provenance["served_fusion"]["retrieval_weight"])
-
-
-def main(positions: int = 5) -> None:
+def main(positions: int = 5, models: tuple[str, str] = MODELS) -> None:
     dataset = load_dataset("movielens-100k")
     split = UserSplit()
     index = RetrievalIndex.fit(dataset, split)
@@ -74,8 +68,8 @@ def main(positions: int = 5) -> None:
     sets: dict[str, list[RecommendationRequest]] = {
         f"held-out-p{positions}": sample_requests(heldout, 191, 10, 20, 0, positions),
         f"retrieved-p{positions}": [r.request for r in staged if r.retrieved]}
-    weights = {spec: recorded_weight(spec) for spec in MODELS}
-    print(f"fusion weights recorded in the shipped adapters: {weights}")
+    weights = {spec: model_retrieval_weight(resolve_model(spec)) for spec in models}
+    print(f"fusion weights recorded in the merges: {weights}")
     for name, requests in sets.items():
         stage = [index.scores(r.history, r.candidates) for r in requests]
         users = request_users(requests)
@@ -89,15 +83,18 @@ def main(positions: int = 5) -> None:
         for ranking, quality in answers.items():
             print(f"  {ranking:<22} HR@1 {statistics.fmean(q['hr1'] for q in quality):.3f}  "
                   f"NDCG@10 {statistics.fmean(q['ndcg10'] for q in quality):.3f}")
-        late, isolated = list(weights)
-        for kind, late_key, isolated_key in (("alone", f"{late} alone", f"{isolated} alone"),
-                                             ("served", f"{late} + {weights[late]:g} × stage",
-                                              f"{isolated} + {weights[isolated]:g} × stage")):
+        first, second = models
+        for kind, first_key, second_key in (("alone", f"{first} alone", f"{second} alone"),
+                                            ("served", f"{first} + {weights[first]:g} × stage",
+                                             f"{second} + {weights[second]:g} × stage")):
             for metric in ("hr1", "ndcg10"):
-                mean, low, high = paired_difference([q[metric] for q in answers[late_key]],
-                                                    [q[metric] for q in answers[isolated_key]], 0, users)
-                print(f"  paired late − isolated, {kind:<6} {metric:<6} {mean:+.3f} (95 % CI {low:+.3f} … {high:+.3f})")
+                mean, low, high = paired_difference([q[metric] for q in answers[first_key]],
+                                                    [q[metric] for q in answers[second_key]], 0, users)
+                print(f"  paired {first} − {second}, {kind:<6} {metric:<6} {mean:+.3f} "
+                      f"(95 % CI {low:+.3f} … {high:+.3f})")
 
 
 if __name__ == "__main__":
-    main(*(int(n) for n in sys.argv[1:2]))
+    if len(sys.argv) not in (1, 2, 4):
+        sys.exit("usage: served_cost_of_caching.py [POSITIONS] [FIRST SECOND]")
+    main(*(int(n) for n in sys.argv[1:2]), *([(sys.argv[2], sys.argv[3])] if len(sys.argv) == 4 else []))

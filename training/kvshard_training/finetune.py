@@ -40,7 +40,8 @@ LoRA can be limited to the upper layers (autograd then never records the lower o
 stops at a wall-clock budget. On a GPU (``--device auto|cuda``) the same loop runs there, the base in
 bfloat16 under autocast as on the CPU, and ``--batch N`` scores N isolated or late examples per forward
 pass (:func:`batched_isolated_scores`: their block masks padded into one, the same losses as one by one);
-on the CPU one example at a time stays the default, and its numbers are unchanged. The output folder
+on the CPU one example at a time stays the default, and the forward skips the pairs the block mask hides
+(:mod:`kvshard_training.block_attention`: the same losses, 1.2x a step). The output folder
 gets ``adapter_model.safetensors``, ``adapter_config.json``, ``provenance.json`` and the loss curve (JSON
 after every step, PNG at each validation); :mod:`kvshard_training.merge` merges it into a prepared model
 folder.
@@ -66,11 +67,13 @@ from tqdm import tqdm
 from kvshard.paths import cache_dir
 from kvshard.ranking import QUALITY_METRICS, best_index, choose_fusion_weight, quality
 from kvshard_sidecar.engine.isolated_scorer import (
+    IsolatedInputs,
     batched_isolated_scores,
     isolated_scores,
     readout_id,
 )
 from kvshard_sidecar.engine.model import UnsupportedModelError, default_model_path, load_model
+from kvshard_training.block_attention import block_scores
 from kvshard_training.examples import Example, TrainingData, training_data
 from kvshard_training.lora import lineage_seconds, lora_model, save_adapter, warm_start
 from kvshard_training.merge import ADAPTER_WEIGHTS
@@ -195,20 +198,29 @@ def served_scores(scores: torch.Tensor, stage: torch.Tensor | None) -> torch.Ten
 
 def batch_losses(causal_lm: Any, examples: Sequence[Example], settings: FinetuneSettings,
                  readout: int, scale: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Each example's :func:`example_loss`, from one forward pass over all of them when there are several
-    (isolated or late examples: :func:`batched_isolated_scores`); one example takes today's path unchanged.
+    """Each example's :func:`example_loss`. Isolated or late examples are scored together, in one forward
+    pass (:func:`training_scores`); an answer-position example takes its own path, one at a time.
     ``scale``: the learned temperature of the served fusion (``--retrieval-weight``)."""
-    if len(examples) == 1:
-        return [example_loss(causal_lm, examples[0], settings, readout, scale)]
     if not all(e.isolated for e in examples):
+        if len(examples) == 1:
+            return [example_loss(causal_lm, examples[0], settings, readout, scale)]
         raise ValueError("only isolated or late examples are scored in batches (--batch needs --scorer isolated "
                          "or late)")
-    scores = batched_isolated_scores(causal_lm, [inputs for e in examples for inputs in e.isolated], readout)
+    scores = training_scores(causal_lm, [inputs for e in examples for inputs in e.isolated], readout)
     losses, start = [], 0
     for example in examples:
         losses.append(isolated_loss(torch.stack(scores[start:start + example.orders]), example, settings, scale))
         start += example.orders
     return losses
+
+
+def training_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int) -> list[torch.Tensor]:
+    """The isolated or late scores of ``prompts`` in one training forward pass: on the CPU with the block
+    attention (:func:`~kvshard_training.block_attention.block_scores`: the masked pairs skipped, 1.2x a
+    step, the same scores), elsewhere with the dense block mask (:func:`batched_isolated_scores`)."""
+    if causal_lm.device.type == "cpu":
+        return block_scores(causal_lm, prompts, readout)
+    return batched_isolated_scores(causal_lm, prompts, readout)
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1, time_used: float = 0.0) -> float:
