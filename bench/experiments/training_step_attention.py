@@ -32,8 +32,10 @@ read the interleaved ratios, not the seconds):
       block, 4 per pass   4.47 s                  1.24x
 
 Computing the masked pairs is what costs, not the kernel that computes them (math ≈ dense); skipping them
-buys about a fifth of the step, exactly (float32 differences at rounding). Fine-tuning on the CPU now
-uses the block attention (:func:`kvshard_training.finetune.batch_losses`).
+buys about a sixth of a forward + backward, exactly (float32 differences at rounding). Fine-tuning on the
+CPU now uses the block attention (:func:`kvshard_training.finetune.batch_losses`); there a whole step
+gained less, 1.06-1.07x (two 24-step ``kvshard model finetune`` probes in each order; docs/experiments.md),
+and why the loop saves half the seconds this script does is not yet explained.
 """
 
 from __future__ import annotations
