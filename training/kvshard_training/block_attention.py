@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, readout_scores
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, padded_prompts, prompts_readout_scores
 
 IMPLEMENTATION = "kvshard_blocks"
 
@@ -108,11 +108,9 @@ def block_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     block_layout: BlockLayout | None = None, **_: Any) -> tuple[torch.Tensor, None]:
     """A transformers attention function: query [N, H, T, d], key and value [N, Hkv, T, d] → [N, T, H, d].
-    Without a ``block_layout`` it is plain SDPA under ``attention_mask`` (any other caller of the model)."""
+    It is the model's attention only inside :func:`block_scores`, which always passes ``block_layout``."""
     if block_layout is None:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])
-        return out.transpose(1, 2).contiguous(), None
+        raise ValueError("block_attention needs the block_layout that block_scores passes")
     layout = block_layout
     batch, heads, length, dim = query.shape
     prefix = F.scaled_dot_product_attention(query[:, :, :layout.prefix], key[:, :, :layout.prefix],
@@ -162,25 +160,12 @@ def _implementation(causal_lm: Any) -> Iterator[None]:
         config._attn_implementation = before
 
 
-def _positions(prompt: IsolatedInputs) -> torch.Tensor:
-    """The prompt's position ids: the prefix from 0, every block from the prefix's end (as
-    :meth:`~kvshard_sidecar.engine.isolated_scorer.IsolatedInputs.mask_and_positions`, without its mask)."""
-    positions = torch.arange(len(prompt.token_ids))
-    for start, stop in prompt.blocks:
-        positions[start:stop] = torch.arange(prompt.prefix, prompt.prefix + stop - start)
-    return positions
-
-
 def block_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int) -> list[torch.Tensor]:
     """:func:`~kvshard_sidecar.engine.isolated_scorer.batched_isolated_scores` computed with
     :func:`block_attention`: [K] each, the same scores up to float summation order."""
-    length = max(len(p.token_ids) for p in prompts)
+    ids, positions = padded_prompts(prompts)
+    length = ids.shape[1]
     device = causal_lm.device
-    ids = torch.zeros(len(prompts), length, dtype=torch.long)
-    positions = torch.zeros(len(prompts), length, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt.token_ids)] = torch.tensor(prompt.token_ids, dtype=torch.long)
-        positions[row, :len(prompt.token_ids)] = _positions(prompt)
     autocast = causal_lm.dtype == torch.bfloat16
     layout = BlockLayout.of(prompts, length).to(device, torch.bfloat16 if autocast else causal_lm.dtype)
     # a 4-D mask passes transformers' mask creation untouched; block_attention reads the layout instead
@@ -189,7 +174,4 @@ def block_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int
                                                     enabled=autocast):
         hidden = causal_lm.model(input_ids=ids.to(device), attention_mask=unused, position_ids=positions.to(device),
                                  use_cache=False, block_layout=layout).last_hidden_state
-    rows = torch.tensor([row for row, p in enumerate(prompts) for _ in p.readouts], device=device)
-    columns = torch.tensor([column for p in prompts for column in p.readouts], device=device)
-    scores = readout_scores(causal_lm, hidden[rows, columns], readout)
-    return list(torch.split(scores, [len(p.readouts) for p in prompts]))
+    return prompts_readout_scores(causal_lm, prompts, hidden, readout)

@@ -124,13 +124,18 @@ class IsolatedInputs:
         there holds — so serving from cache recomputes only :meth:`readers` of each candidate."""
         end = len(self.token_ids)
         allowed = torch.ones(end, end, dtype=torch.bool).tril()
-        positions = torch.arange(end)
         for (start, stop), opening in zip(self.blocks, self.readouts, strict=True):
             allowed[start:stop, self.prefix:start] = False
             if self.interaction is not None:
                 allowed[start:max(start, opening - self.interaction), :self.prefix] = False
+        return allowed[None, None], self.positions()[None]
+
+    def positions(self) -> torch.Tensor:
+        """The position ids [T]: the prefix from 0, every candidate from the prefix's end."""
+        positions = torch.arange(len(self.token_ids))
+        for start, stop in self.blocks:
             positions[start:stop] = torch.arange(self.prefix, self.prefix + stop - start)
-        return allowed[None, None], positions[None]
+        return positions
 
     def readers(self) -> list[int]:
         """The item rows that read the prefix when items read only themselves otherwise (``late``): each
@@ -196,23 +201,37 @@ def batched_isolated_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], r
     [N, 1, T, T] mask padded with ``False``, so no real token reads a pad and every real row's softmax is
     the unpadded one; a pad row reads only itself (an all-``False`` row would make the softmax 0/0, and
     its NaN would reach the gradients through the shared weights). Pads are token 0 at position 0."""
-    length = max(len(p.token_ids) for p in prompts)
-    ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    ids, positions = padded_prompts(prompts)
+    length = ids.shape[1]
     mask = torch.zeros(len(prompts), 1, length, length, dtype=torch.bool)
-    positions = torch.zeros(len(prompts), length, dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        own_mask, own_positions = prompt.mask_and_positions()
         size = len(prompt.token_ids)
-        ids[row, :size] = torch.tensor(prompt.token_ids, dtype=torch.long)
-        mask[row, :, :size, :size] = own_mask[0]
-        positions[row, :size] = own_positions[0]
+        mask[row, :, :size, :size] = prompt.mask_and_positions()[0][0]
         pads = torch.arange(size, length)
         mask[row, 0, pads, pads] = True
     device = causal_lm.device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=causal_lm.dtype == torch.bfloat16):
         hidden = causal_lm.model(input_ids=ids.to(device), attention_mask=mask.to(device),
                                  position_ids=positions.to(device), use_cache=False).last_hidden_state
-    rows = torch.tensor([row for row, p in enumerate(prompts) for _ in p.readouts], device=device)
-    columns = torch.tensor([column for p in prompts for column in p.readouts], device=device)
+    return prompts_readout_scores(causal_lm, prompts, hidden, readout)
+
+
+def padded_prompts(prompts: Sequence[IsolatedInputs]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts' token ids and position ids [N, T], padded to the longest with token 0 at position 0."""
+    length = max(len(p.token_ids) for p in prompts)
+    ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    positions = torch.zeros(len(prompts), length, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt.token_ids)] = torch.tensor(prompt.token_ids, dtype=torch.long)
+        positions[row, :len(prompt.token_ids)] = prompt.positions()
+    return ids, positions
+
+
+def prompts_readout_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], hidden: torch.Tensor,
+                           readout: int) -> list[torch.Tensor]:
+    """Each prompt's candidates' :func:`readout_scores` from the padded batch's last hidden states
+    ``hidden`` [N, T, hidden]: [K] each."""
+    rows = torch.tensor([row for row, p in enumerate(prompts) for _ in p.readouts], device=hidden.device)
+    columns = torch.tensor([column for p in prompts for column in p.readouts], device=hidden.device)
     scores = readout_scores(causal_lm, hidden[rows, columns], readout)
     return list(torch.split(scores, [len(p.readouts) for p in prompts]))
