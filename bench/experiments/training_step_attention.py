@@ -31,6 +31,9 @@ read the interleaved ratios, not the seconds):
       math, 4 per pass    5.42 s                  1.02x
       block, 4 per pass   4.47 s                  1.24x
 
+Again on idle cores (2026-12-06, 11:03): attention 39 %; dense 5.44 s, block 4.79 s (1.14x), math 0.94x,
+dense 4 per pass 1.07x, block 4 per pass 1.26x — the loaded run's 1.18x was partly the load.
+
 Computing the masked pairs is what costs, not the kernel that computes them (math ≈ dense); skipping them
 buys about a sixth of a forward + backward, exactly (float32 differences at rounding). Fine-tuning on the
 CPU now uses the block attention (:func:`kvshard_training.finetune.batch_losses`); there a whole step

@@ -17,11 +17,12 @@ the layout instead:
 
 The scores and gradients are the dense mask's up to floating-point summation order (tests; float32 max
 score difference ~1e-5). Measured by ``bench/experiments/training_step_attention.py`` (2 cores, bf16, 15
-LoRA layers, 4 examples): a forward + backward 1.18x the dense one's speed one example per pass, 1.24x four
-per pass; a whole ``kvshard model finetune`` step 1.06-1.07x (docs/experiments.md). It is registered
-as a transformers attention implementation (``kvshard_blocks``) and switched on only for the duration of
-one call (:func:`block_scores`), so validation and serving keep the model's own attention. Fine-tuning uses
-it on the CPU only: on a GPU the dense SDPA kernels are another trade, not measured here.
+LoRA layers, 4 examples): a forward + backward 1.14x the dense one's speed one example per pass, 1.26x four
+per pass on idle cores (1.18x and 1.24x on a loaded machine); a whole ``kvshard model finetune`` step
+1.06-1.07x (docs/experiments.md). It is registered as a transformers attention implementation
+(``kvshard_blocks``) and switched on only for the duration of one call (:func:`block_scores`), so
+validation and serving keep the model's own attention. Fine-tuning uses it on the CPU only: on a GPU the
+dense SDPA kernels are another trade, not measured here.
 """
 
 from __future__ import annotations
