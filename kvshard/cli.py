@@ -111,8 +111,9 @@ def _add_model_commands(sub: Any) -> None:
     fusion = model_sub.add_parser(
         "fusion-weight", help="choose the retrieval stage's weight in a trained model's served ranking",
         description="Score an adapter's validation prompts (training users' second-to-last items, drawn as its "
-        "provenance's settings draw them), rank them by z(model) + W x z(retrieval stage score) for each W of a grid "
-        "fixed in advance, and record the W with the best NDCG@10 in provenance.json (served_fusion). The merge "
+        "provenance's settings draw them) beside the retrieval stage's score, fit a and b so that each prompt's "
+        "target is likeliest under softmax(a x z(model) + b x z(stage score)), print the ranking quality of W = b/a "
+        "and of a grid of weights, and record W in provenance.json (served_fusion). The merge "
         "carries it into the merged model, and the sidecar uses it for a request with retrieval_scores and no "
         "retrieval_weight. `kvshard model finetune` already does this at its final validation; this command is for "
         "adapters trained before, or to choose on more prompts.",

@@ -16,9 +16,11 @@ and the stage, and reads every fusion weight of a grid fixed in advance:
   target the stage retrieved are scored (a missed target scores 0 for every ranking, so they cannot move a
   difference), and "all" numbers are those × recall.
 
-It prints each set's HR@1 and NDCG@10 per weight (``stage`` = the stage's score alone), the weight that
-maximizes validation NDCG@10, and on the held-out sets the paired differences (users resampled) of that
-weight against 1 and against the stage alone.
+It prints each set's HR@1 and NDCG@10 per weight (``stage`` = the stage's score alone), the weight
+:func:`kvshard.ranking.choose_fusion_weight` chooses on validation (until 2026-12-06 the grid weight with the
+best NDCG@10, which chose the 2 of the answer below; since then a likelihood fit, ``fusion_weight_rule.py``),
+and on the held-out sets the paired differences (users resampled) of that weight against 1 and against the
+stage alone.
 
 Run: ``.venv/bin/python bench/experiments/fusion_weight.py [MODEL] [VALIDATION] [POSITIONS] [FRESH_AFTER]`` from
 ``bench/experiments``
@@ -110,7 +112,8 @@ def main(spec: str = "late", validation_prompts: int = 300, positions: int = POS
         scale = recall if name.startswith("retrieved") else 1.0
         print(f"== {name} ({len(requests)} requests, {len(set(users))} users"
               + (f"; × recall {recall:.3f} for 'all'" if scale != 1.0 else "") + f"), model {spec}")
-        results = {w: per_request(model, stage, requests, w) for w in (*WEIGHTS, STAGE)}
+        fitted = () if chosen is None or chosen in WEIGHTS else (chosen,)  # a fitted weight off the grid
+        results = {w: per_request(model, stage, requests, w) for w in (*sorted((*WEIGHTS, *fitted)), STAGE)}
         for weight, answers in results.items():
             hr1 = statistics.fmean(a["hr1"] for a in answers)
             ndcg = statistics.fmean(a["ndcg10"] for a in answers)
@@ -119,7 +122,7 @@ def main(spec: str = "late", validation_prompts: int = 300, positions: int = POS
                   + (f"   (all: HR@1 {hr1 * scale:.3f}, NDCG@10 {ndcg * scale:.3f})" if scale != 1.0 else ""))
         if validation:
             chosen = choose_fusion_weight(model, stage, [r.candidates.index(str(r.target)) for r in requests]).weight
-            print(f"  chosen on validation (max NDCG@10): W = {chosen:g}")
+            print(f"  chosen on validation (choose_fusion_weight): W = {chosen:g}")
             continue
         assert chosen is not None
         for reference in (1.0, STAGE):

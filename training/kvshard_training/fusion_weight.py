@@ -9,8 +9,9 @@ held-out users (``bench/experiments/fusion_weight.py``). How much the stage shou
 much the model adds to it, so it is chosen per model: ``kvshard model finetune`` does it at its final
 validation; this command does it for an adapter trained before that, or on more prompts than training
 validated on. It scores the adapter's own validation prompts (training users' second-to-last items, as
-its provenance's settings draw them), reads every weight of :data:`kvshard.ranking.FUSION_WEIGHTS`, and
-writes the choice as ``served_fusion`` into ``provenance.json``; ``kvshard model prepare`` (or ``merge``)
+its provenance's settings draw them), fits the weight (:func:`kvshard.ranking.choose_fusion_weight`), prints
+it beside every weight of :data:`kvshard.ranking.FUSION_WEIGHTS`, and writes the choice as
+``served_fusion`` into ``provenance.json``; ``kvshard model prepare`` (or ``merge``)
 then carries it into the merged model, where the sidecar takes it as the default ``retrieval_weight``.
 """
 
