@@ -34,12 +34,11 @@ recorded weight, 1, was the argmax on a different 300 prompts; on these 96 the a
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 
 from fusion_weight import per_request
-from late_scorer_ensembles import CACHE
+from late_scorer_ensembles import model_scores
 
 from kvshard.datasets import load_dataset
 from kvshard.prompts import RecommendationRequest, request_users, sample_requests
@@ -61,11 +60,6 @@ def argmax_weight(model: list[list[float]], stage: list[list[float]], targets: l
     return max(FUSION_WEIGHTS, key=lambda w: (ndcg(w), -w))
 
 
-def cached(spec: str, name: str) -> list[list[float]]:
-    scores: list[list[float]] = json.loads((CACHE / f"{spec.strip('/').replace('/', '_')}_{name}.json").read_text())
-    return scores
-
-
 def main(models: tuple[str, ...] = MODELS) -> None:
     dataset = load_dataset("movielens-100k")
     split = UserSplit()
@@ -82,12 +76,12 @@ def main(models: tuple[str, ...] = MODELS) -> None:
         spec, prompts = entry.rsplit(":", 1)
         validation = validation_requests(dataset, training_users, 10, 20, int(prompts), 1)
         stage = [knn.stage_scores(r.history, r.candidates, r.user_id) for r in validation]
-        scores = cached(spec, f"validation{prompts}")
+        scores = model_scores(spec, dataset.name, f"validation{prompts}", validation)
         targets = [r.candidates.index(str(r.target)) for r in validation]
         old, new = argmax_weight(scores, stage, targets), choose_fusion_weight(scores, stage, targets).weight
         print(f"== {spec} ({prompts} validation prompts): argmax W {old:g}, fit W {new:g}")
         for name, requests in sets.items():
-            model = cached(spec, name)
+            model = model_scores(spec, dataset.name, name, requests)
             fit, argmax = (per_request(model, stages[name], requests, w) for w in (new, old))
             users = request_users(requests)
             for metric in ("hr1", "ndcg10"):
