@@ -27,6 +27,10 @@ Run: ``.venv/bin/python bench/experiments/fusion_weight.py [MODEL] [VALIDATION] 
 (default ``late``, 300 validation prompts; ~1 s per prompt on 2 idle cores, 25 minutes for the three sets,
 scores cached in /tmp/late_scorer_ensembles/).
 
+``late`` in this answer is the late adapter shipped until 2026-12-06 (``git show
+52fb9f0:training/kvshard_training/adapters/movielens-late/<file>``; merge it with ``kvshard model merge``
+and pass the folder); ``late`` now names its successor, so a rerun by that name scores the shipped one.
+
 Answer (2026-12-06, the shipped late scorer):
 
     weight W          validation (300)   held-out, uniform (955)   retrieval-stage candidates (251 retrieved)

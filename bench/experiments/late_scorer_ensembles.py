@@ -19,6 +19,10 @@ users' second-to-last items, seed 1), item-kNN leaving each user out as in train
 Run: ``.venv/bin/python bench/experiments/late_scorer_ensembles.py [THREADS]`` (needs `kvshard model
 prepare`; ~10 min on 2 idle cores, scores cached in /tmp/late_scorer_ensembles/).
 
+``late`` in this answer is the late adapter shipped until 2026-12-06 (``git show
+52fb9f0:training/kvshard_training/adapters/movielens-late/<file>``; merge it with ``kvshard model merge``
+and pass the folder); ``late`` now names its successor, so a rerun by that name scores the shipped one.
+
 Answer (2026-12-05, load average ~6 on 2 cores):
 
     held-out (191)                HR@1  NDCG@10     validation (96)   HR@1  NDCG@10
@@ -57,7 +61,7 @@ from kvshard.ranking import quality, standardized
 from kvshard.splits import UserSplit, validation_requests
 from kvshard_sidecar.engine import BlendEngine, MemoryBlockSource
 from kvshard_sidecar.engine.isolated_scorer import Readout, scoring_prompt
-from kvshard_sidecar.engine.model import load_model
+from kvshard_sidecar.engine.model import load_model, read_identity
 from kvshard_training.teacher import ItemKnnTeacher
 
 CACHE = Path("/tmp/late_scorer_ensembles")
@@ -66,12 +70,14 @@ COMBINATIONS = ({"knn": 1.0}, {"late": 1.0}, {"scorer": 1.0}, {"scorer": 1.0, "k
 
 
 def model_scores(spec: str, dataset_name: str, name: str, requests: list[RecommendationRequest]) -> list[list[float]]:
-    """Each request's candidate scores by the merged scorer ``spec`` (cached per set)."""
-    cache = CACHE / f"{spec.strip('/').replace('/', '_')}_{name}.json"  # a folder spec too
+    """Each request's candidate scores by the merged scorer ``spec`` (cached per set and per weights hash, so
+    a name such as ``late`` whose shipped adapter changes never reads the scores of the weights it replaced)."""
+    path = resolve_model(spec)
+    revision = read_identity(path, "float32").revision
+    cache = CACHE / f"{spec.strip('/').replace('/', '_')}_{revision}_{name}.json"  # a folder spec too
     if cache.exists():
         cached: list[list[float]] = json.loads(cache.read_text())
         return cached
-    path = resolve_model(spec)
     loaded = load_model(path)
     readout = Readout.for_model(loaded.tokenizer, path)
     engine = BlendEngine(loaded.model, loaded.identity, MemoryBlockSource())

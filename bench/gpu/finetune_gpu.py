@@ -1,7 +1,7 @@
 """The late scorer's training on a GPU beside a CPU: examples/s and validation HR@1 for a fixed number of examples.
 
-Why it exists. The shipped late scorer was trained for 56 minutes on a 2-core CPU (2,872 examples,
-1.17 s each: ``training/kvshard_training/adapters/movielens-late/provenance.json``). ``kvshard model
+Why it exists. The shipped late scorer was trained on a 2-core CPU (2,872 examples, 1.17–1.85 s each
+depending on the day: ``training/kvshard_training/adapters/movielens-late/provenance.json``). ``kvshard model
 finetune --device cuda --batch N`` moves the same training to a GPU; this script says what that buys, on
 the machine it runs on, by training the shipped recipe — every setting read from that provenance file,
 only the device, ``--batch``, ``--accumulation``, the number of examples and the output folder changed —

@@ -56,9 +56,10 @@ class FinetuneSettings:
                                          "(kvshard.retrieval: item-kNN of the shown history over the training "
                                          "users, topped up with popular items; never an item the user saw) instead "
                                          "of drawing them uniformly, the target kept in every prompt; 0 (the "
-                                         "default: at 0.5 in the shipped 56-minute recipe held-out HR@1 fell "
-                                         ".309 → .152: beside the stage's favourites the target mostly scores "
-                                         "lower by the stage, so its signal points away from the answer) = uniform "
+                                         "default: at 0.5 in the 56-minute recipe shipped until 2026-12-06 "
+                                         "held-out HR@1 fell .309 → .152: beside the stage's favourites the "
+                                         "target mostly scores lower by the stage, so its signal points away "
+                                         "from the answer) = uniform "
                                          "negatives only; validation stays uniform")
     window: int = setting(30, "training targets come from the N interactions before each user's "
                               "second-to-last (0 = all)")
@@ -66,8 +67,8 @@ class FinetuneSettings:
                                 "it) as positives: each is among the prompt's candidates and the target's "
                                 "one-hot is spread evenly over them (users rate in sessions, so which "
                                 "session item comes next is close to arbitrary); 1 (the default: at 5 in the "
-                                "shipped 56-minute recipe held-out HR@1 stayed .309, NDCG@10 .581 → .598, "
-                                "within noise) = the next item only; validation keeps one target")
+                                "56-minute recipe shipped until 2026-12-06 held-out HR@1 stayed .309, "
+                                "NDCG@10 .581 → .598, within noise) = the next item only; validation keeps one target")
     retrieval_weight: float = setting(0.0, "--scorer isolated|late only: train the ranking as it is served behind a "
                                            "retrieval stage, z(model) + W · z(stage score) (the sidecar's "
                                            "retrieval_weight; kvshard.ranking.fuse_scores), one learned scale on the "
@@ -76,8 +77,9 @@ class FinetuneSettings:
                                            "user out; validation reports the fused ranking and the model alone; "
                                            "alone such a model ranks near chance, so serve it with "
                                            "retrieval_scores); 0 (the default: at 1 with --teacher none in the "
-                                           "shipped 56-minute recipe the served held-out HR@1 went .372 → .408, "
-                                           "NDCG@10 .650 → .654, paired intervals holding 0) = the model ranks alone")
+                                           "56-minute recipe shipped until 2026-12-06 the served held-out HR@1 "
+                                           "went .372 → .408, NDCG@10 .650 → .654, paired intervals holding 0) = the "
+                                           "model ranks alone")
     users: int = setting(0, "training users drawn from (0 = every training user)")
     val_users: int = setting(48, "validation prompts (training users' second-to-last interactions)")
     val_every: int = setting(0, "validate every N steps as well as at the end (0 = only at the end)")
