@@ -27,9 +27,7 @@ Run: ``.venv/bin/python bench/experiments/fusion_weight.py [MODEL] [VALIDATION] 
 (default ``late``, 300 validation prompts; ~1 s per prompt on 2 idle cores, 25 minutes for the three sets,
 scores cached in /tmp/late_scorer_ensembles/).
 
-``late`` in this answer is the late adapter shipped until 2026-12-06 (``git show
-52fb9f0:training/kvshard_training/adapters/movielens-late/<file>``; merge it with ``kvshard model merge``
-and pass the folder); ``late`` now names its successor, so a rerun by that name scores the shipped one.
+``late`` in this answer: the adapter shipped until 2026-12-06 (see ``late_scorer_ensembles.py``).
 
 Answer (2026-12-06, the shipped late scorer):
 

@@ -17,9 +17,7 @@ choices are judged on the held-out sets, paired (users resampled, 2,000 resample
 Run: ``cd bench/experiments && ../../.venv/bin/python fusion_weight_rule.py [MODEL:VALIDATION ...]`` (seconds:
 it reads cached scores; default the four models below).
 
-``late`` in this answer is the late adapter shipped until 2026-12-06 (``git show
-52fb9f0:training/kvshard_training/adapters/movielens-late/<file>``; merge it with ``kvshard model merge``
-and pass the folder); ``late`` now names its successor, so a rerun by that name scores the shipped one.
+``late`` in this answer: the adapter shipped until 2026-12-06 (see ``late_scorer_ensembles.py``).
 
 Answer (2026-12-06; 955 held-out requests on uniform negatives, and the 251 whose target the stage
 retrieved; fit − argmax, paired 95 % CI):

@@ -16,9 +16,7 @@ Run: ``cd bench/experiments && ../../.venv/bin/python served_cost_of_caching.py 
 merged models compare the same way (``FIRST − SECOND``), each at the weight its merge records
 (:func:`kvshard.models.model_retrieval_weight`) — e.g. a new late scorer against the shipped one.
 
-``late`` in this answer is the late adapter shipped until 2026-12-06 (``git show
-52fb9f0:training/kvshard_training/adapters/movielens-late/<file>``; merge it with ``kvshard model merge``
-and pass the folder); ``late`` now names its successor, so a rerun by that name scores the shipped one.
+``late`` in this answer: the adapter shipped until 2026-12-06 (see ``late_scorer_ensembles.py``).
 
 Answer (2026-12-06, the shipped adapters; late fused at 2, isolated at 3):
 
