@@ -58,29 +58,36 @@ def retrieved_sets() -> tuple[RetrievalIndex, dict[str, list[RecommendationReque
                                  if r.retrieved and (r.request.user_id, r.request.target) not in first]}
 
 
+Answers = list[dict[str, float]]
+
+
+def report(name: str, served: Answers, own: Answers, users: list[str]) -> None:
+    """One set's served − the stage's order, paired per request, users resampled."""
+    for metric in ("ndcg10", "hr1"):
+        mean, low, high = paired_difference([a[metric] for a in served], [a[metric] for a in own], 0, users)
+        print(f"  {name:<21} ({len(served)} requests) {metric:<6} served "
+              f"{statistics.fmean(a[metric] for a in served):.3f}, stage's order "
+              f"{statistics.fmean(a[metric] for a in own):.3f}: {mean:+.3f} (95 % CI {low:+.3f} … {high:+.3f})")
+
+
 def main(models: tuple[str, ...] = ("late", "scorer")) -> None:
     index, sets = retrieved_sets()
+    stages = {name: [index.scores(r.history, r.candidates) for r in requests] for name, requests in sets.items()}
     for spec in models:
         weight = model_retrieval_weight(resolve_model(spec))
-        pooled: dict[str, list[dict[str, float]]] = {"served": [], "stage": []}
-        pooled_users: list[str] = []
         print(f"== {spec}, served at its recorded weight {weight:g}")
-        for name, requests in [*sets.items(), ("pooled", [])]:
-            if requests:
-                scores = model_scores(spec, "movielens-100k", name, requests)
-                stage = [index.scores(r.history, r.candidates) for r in requests]
-                served, own = per_request(scores, stage, requests, weight), per_request(scores, stage, requests, STAGE)
-                users = request_users(requests)
-                pooled["served"] += served
-                pooled["stage"] += own
-                pooled_users += users
-            else:
-                served, own, users = pooled["served"], pooled["stage"], pooled_users
-            for metric in ("ndcg10", "hr1"):
-                mean, low, high = paired_difference([a[metric] for a in served], [a[metric] for a in own], 0, users)
-                print(f"  {name:<21} ({len(served)} requests) {metric:<6} served "
-                      f"{statistics.fmean(a[metric] for a in served):.3f}, stage's order "
-                      f"{statistics.fmean(a[metric] for a in own):.3f}: {mean:+.3f} (95 % CI {low:+.3f} … {high:+.3f})")
+        pooled_served: Answers = []
+        pooled_own: Answers = []
+        pooled_users: list[str] = []
+        for name, requests in sets.items():
+            scores = model_scores(spec, "movielens-100k", name, requests)
+            served = per_request(scores, stages[name], requests, weight)
+            own = per_request(scores, stages[name], requests, STAGE)
+            report(name, served, own, request_users(requests))
+            pooled_served += served
+            pooled_own += own
+            pooled_users += request_users(requests)
+        report("pooled", pooled_served, pooled_own, pooled_users)
 
 
 if __name__ == "__main__":
