@@ -15,7 +15,7 @@ import torch
 from kvshard.settings import SettingsError
 from kvshard_bench.synthetic_catalog import CatalogShape, generate, write
 from kvshard_sidecar.engine.model import UnsupportedModelError, default_model_path
-from kvshard_training.settings import FinetuneSettings, resolve_device
+from kvshard_training.settings import FinetuneSettings, resolve_device, resolve_precision
 
 CUDA = torch.cuda.is_available()
 LATE = {"scorer": "late", "interaction": 4, "label_position": "after"}
@@ -61,6 +61,14 @@ def test_auto_is_cuda_exactly_when_cuda_is_available() -> None:
     assert resolve_device("auto", cuda_available=False) == "cpu"
     assert resolve_device("cpu", cuda_available=True) == "cpu"
     assert resolve_device("cuda", cuda_available=True) == "cuda"
+
+
+def test_auto_precision_is_bfloat16_only_where_the_hardware_computes_it() -> None:
+    assert resolve_precision("auto", "cuda", cpu_computes_bfloat16=False) == "bfloat16"
+    assert resolve_precision("auto", "cpu", cpu_computes_bfloat16=True) == "bfloat16"
+    assert resolve_precision("auto", "cpu", cpu_computes_bfloat16=False) == "float32"  # emulated: ~20x slower
+    assert resolve_precision("bfloat16", "cpu", cpu_computes_bfloat16=False) == "bfloat16"  # asked for: kept
+    assert resolve_precision("float32", "cuda", cpu_computes_bfloat16=True) == "float32"
 
 
 def test_cuda_without_cuda_is_a_settings_error_that_says_why() -> None:

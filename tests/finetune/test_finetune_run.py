@@ -118,6 +118,33 @@ def test_an_example_aligns_each_order_with_the_first() -> None:
     assert spread.positives.tolist() == [[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]]  # "20" and "10", wherever they stand
 
 
+@pytest.mark.model
+def test_training_prompts_may_hold_fewer_candidates_than_validation_prompts() -> None:
+    from transformers import AutoTokenizer
+
+    from kvshard_training.examples import training_data
+
+    settings = FinetuneSettings(history=3, candidates=6, training_candidates=3, steps=4, accumulation=1, users=5,
+                                val_users=2, label_position="after", scorer="late", interaction=4)
+    settings.validate()
+    data = training_data(settings, AutoTokenizer.from_pretrained(default_model_path()))
+    assert {len(e.label_ids) for e in data.examples} == {3}  # the target and two negatives
+    assert {len(e.label_ids) for e in data.validation} == {6}  # validation ranks as the benchmark does
+    assert all(len(scores) == 6 for scores in data.validation_stage)
+
+
+def test_fewer_training_candidates_only_for_a_scorer_that_reads_each_candidate_apart() -> None:
+    from kvshard.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="--training-candidates"):
+        FinetuneSettings(training_candidates=10).validate()  # the answer scorer: labels K..T never trained
+    with pytest.raises(SettingsError, match="--training-candidates"):
+        FinetuneSettings(training_candidates=1, scorer="late", label_position="after").validate()
+    with pytest.raises(SettingsError, match="--positives"):  # a training prompt keeps a negative
+        FinetuneSettings(training_candidates=3, positives=3, scorer="late", label_position="after").validate()
+    FinetuneSettings(training_candidates=10, scorer="late", label_position="after").validate()
+
+
 def test_positives_must_leave_a_negative() -> None:
     from kvshard.settings import SettingsError
 

@@ -11,7 +11,7 @@ import torch
 
 from kvshard.settings import SettingsError
 from kvshard_training.model_teacher import mixed_distribution, zscore
-from kvshard_training.settings import FinetuneSettings
+from kvshard_training.settings import FinetuneSettings, cpu_has_bfloat16
 from kvshard_training.teacher import soft_distribution
 
 
@@ -109,3 +109,4 @@ def test_two_steps_with_the_isolated_scorer_teaching_a_late_student_on_stage_neg
     assert provenance["split"]["positives"]["next_items"] == 2
     assert 1.0 < provenance["split"]["positives"]["mean_per_prompt"] <= 2.0
     assert provenance["steps"] == 2
+    assert provenance["settings"]["precision"] == ("bfloat16" if cpu_has_bfloat16() else "float32")  # 'auto' resolved

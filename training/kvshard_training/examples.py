@@ -160,7 +160,7 @@ def training_data(settings: FinetuneSettings, tokenizer: Any) -> TrainingData:
     split, training_users, users = split_users(settings, dataset)
     builder = PromptBuilder(tokenizer, dataset, template=PromptTemplate(label_position=settings.label_position))
     stage = RetrievalIndex.fit(dataset, split) if settings.hard_negatives > 0 else None
-    requests = training_requests(dataset, users, settings.history, settings.candidates,
+    requests = training_requests(dataset, users, settings.history, settings.prompt_candidates(),
                                  settings.steps * settings.accumulation, settings.seed, settings.window,
                                  stage.hard_negatives if stage is not None else None, settings.hard_negatives,
                                  settings.positives)

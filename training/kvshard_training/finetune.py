@@ -38,7 +38,8 @@ Throughput on a CPU decides what fits in an hour, so only the answer position's 
 (the decoder's last hidden state through ``lm_head``, not the 49,152-wide head on every position),
 LoRA can be limited to the upper layers (autograd then never records the lower ones), and the run
 stops at a wall-clock budget. On a GPU (``--device auto|cuda``) the same loop runs there, the base in
-bfloat16 under autocast as on the CPU, and ``--batch N`` scores N isolated or late examples per forward
+bfloat16 under autocast as on a CPU that computes bfloat16 (``--precision auto``; float32 on one that would
+only emulate it), and ``--batch N`` scores N isolated or late examples per forward
 pass (:func:`batched_isolated_scores`: their block masks padded into one, the same losses as one by one);
 on the CPU one example at a time stays the default, and the forward skips the pairs the block mask hides
 (:mod:`kvshard_training.block_attention`: the same losses, a step 1.06x as fast). The output folder
@@ -330,6 +331,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     """Train, validate, write the adapter, the loss curve and the provenance into ``settings.out``."""
     torch.set_num_threads(settings.threads)
     device = settings.resolved_device()
+    settings = replace(settings, precision=settings.resolved_precision(device))  # provenance records the one used
     out = settings.out or default_output()
     out.mkdir(parents=True, exist_ok=True)
     base_folder = settings.model or default_model_path()
@@ -341,9 +343,9 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     data.examples = examples = [e.to(device) for e in data.examples]
     data.validation = [e.to(device) for e in data.validation]
     steps = math.ceil(len(examples) / settings.accumulation)
-    log.info("%d training examples (%d steps × %d), %d validation prompts, ~%.0f tokens per prompt",
+    log.info("%d training examples (%d steps × %d), %d validation prompts, ~%.0f tokens per prompt; %s on %s",
              len(examples), steps, settings.accumulation, len(data.validation),
-             sum(e.input_ids.shape[1] for e in examples[:64]) / min(64, len(examples)))
+             sum(e.input_ids.shape[1] for e in examples[:64]) / min(64, len(examples)), settings.precision, device)
 
     readout = readout_id(loaded.tokenizer)
     peft_model = lora_model(loaded.model, settings)

@@ -38,7 +38,7 @@ from kvshard_training.finetune import order_scores
 from kvshard_training.lora import lora_model, warm_start
 from kvshard_training.merge import Adapter
 from kvshard_training.report import PROVENANCE_FILE, write_json_atomic
-from kvshard_training.settings import FinetuneSettings
+from kvshard_training.settings import FinetuneSettings, cpu_has_bfloat16
 from kvshard_training.teacher import ItemKnnTeacher
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,9 @@ def choose(adapter_folder: Path, base_folder: Path, prompts: int = 300,
     adapter = Adapter.read(adapter_folder)
     settings = trained_settings(adapter.provenance, prompts)
     torch.set_num_threads(settings.threads)
-    loaded = load_model(base_folder, dtype=settings.precision)
+    # The trained precision where this CPU computes it; emulated bfloat16 is ~20x slower and moves a score by
+    # rounding only (the weight is fitted over z-scores).
+    loaded = load_model(base_folder, dtype=settings.precision if cpu_has_bfloat16() else "float32")
     peft_model = lora_model(loaded.model, settings)
     warm_start(peft_model, adapter_folder, base_folder)
     peft_model.eval()
