@@ -42,7 +42,10 @@ class FinetuneSettings:
                                           "candidate apart, so a prompt's candidate count changes only how many "
                                           "negatives share its softmax, not a candidate's score, and a prompt of "
                                           "fewer candidates is a cheaper example (its tokens are mostly candidate "
-                                          "blocks); validation and serving keep --candidates")
+                                          "blocks); validation and serving keep --candidates. 0 (the "
+                                          "default: at 10 in a 56-minute run on 2026-12-06, 2,010 examples, "
+                                          "alone HR@1 .297 on 300 validation prompts against .350 for 2,166 "
+                                          "examples at 20) = --candidates")
     label_position: str = setting("after", "where a candidate's label stands: 'after' ('<item> [A]': the label token "
                                            "has read its item, so a short run learns to point; the merge records it "
                                            "and the sidecar asks the model that way) or 'before' ('A. <item>', the "
