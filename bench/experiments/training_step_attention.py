@@ -88,19 +88,27 @@ def step(causal_lm: Any, trainable: list[torch.Tensor], scorer: Scorer, prompts:
     return scores, grads
 
 
-def setup(layers: int, precision: str) -> tuple[Any, list[torch.Tensor], list[IsolatedInputs], int]:
+def adapted_model(layers: int, precision: str) -> tuple[Any, list[torch.Tensor], FinetuneSettings, Any, int]:
+    """The base model with the shipped late recipe's LoRA on the top ``layers`` (random, so that it has a
+    gradient path and an effect on the scores), its trainable tensors, the recipe, the tokenizer, the
+    readout token."""
     recorded = json.loads((MOVIELENS_LATE_ADAPTER / PROVENANCE_FILE).read_text())["settings"]
     settings = FinetuneSettings.from_record({**recorded, "steps": 4, "val_users": 4, "layers": layers,
                                              "precision": precision, "out": None})
     loaded = load_model(default_model_path(), dtype=settings.precision, device="cpu")
-    data = training_data(settings, loaded.tokenizer)
     peft_model = lora_model(loaded.model, settings)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     torch.manual_seed(0)
     for parameter in trainable:  # B starts at 0: give the adapter a gradient path and an effect on the scores
         torch.nn.init.normal_(parameter, std=0.02)
+    return peft_model.get_base_model(), trainable, settings, loaded.tokenizer, readout_id(loaded.tokenizer)
+
+
+def setup(layers: int, precision: str) -> tuple[Any, list[torch.Tensor], list[IsolatedInputs], int]:
+    causal_lm, trainable, settings, tokenizer, readout = adapted_model(layers, precision)
+    data = training_data(settings, tokenizer)
     prompts = [inputs for example in data.examples[:4] for inputs in example.isolated]
-    return peft_model.get_base_model(), trainable, prompts, readout_id(loaded.tokenizer)
+    return causal_lm, trainable, prompts, readout
 
 
 def main(layers: int = 15, rounds: int = 3) -> None:

@@ -66,7 +66,8 @@ def test_the_targets_are_the_teachers_own_scores_under_every_order() -> None:
 
     scores = teacher.scores(example.isolated, example.alignment)
     with torch.inference_mode():
-        direct = [isolated_scores(teacher.model, IsolatedInputs.of(o), teacher.readout) for o in orders]
+        direct = [isolated_scores(teacher.model, IsolatedInputs.of(o).ending_at_openings(), teacher.readout)
+                  for o in orders]
     # the teacher's own scores (every item token reading the prefix), computed once and carried to each order:
     # exactly the first order's, and the second order's up to bfloat16 rounding (its items sit elsewhere)
     assert torch.equal(scores[0], direct[0])

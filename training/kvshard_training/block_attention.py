@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -104,31 +104,46 @@ class BlockLayout:
                            self.key_prompt.to(device), self.block_keys.to(device), self.mask.to(device, dtype),
                            self.gather.to(device))
 
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """Attention of every row of the padded prompts under this layout: query [N, H, T, d], key and
+        value [N, Hkv, T, d] → [N, T, H, d] (``layer`` is not needed: every layer reads the same layout)."""
+        batch, heads, length, dim = query.shape
+        prefix = F.scaled_dot_product_attention(query[:, :, :self.prefix], key[:, :, :self.prefix],
+                                                value[:, :, :self.prefix], is_causal=True, scale=scaling,
+                                                enable_gqa=heads != key.shape[1])
+        blocks, span = self.mask.shape[0], self.mask.shape[2]
+        q = query[self.block_prompt, :, self.block_rows].view(blocks, span, heads, dim).transpose(1, 2)
+        k = key[self.key_prompt, :, self.block_keys].view(blocks, -1, key.shape[1], dim).transpose(1, 2)
+        v = value[self.key_prompt, :, self.block_keys].view(blocks, -1, key.shape[1], dim).transpose(1, 2)
+        attended = small_attention(q, k, v, self.mask, scaling)
+        source = torch.cat([prefix.transpose(1, 2).reshape(-1, heads, dim),
+                            attended.transpose(1, 2).reshape(-1, heads, dim), query.new_zeros(1, heads, dim)])
+        return source[self.gather].view(batch, length, heads, dim)
+
+
+class Layout(Protocol):
+    """What :func:`block_attention` reads: a layout that attends one layer's rows (:class:`BlockLayout`;
+    :mod:`kvshard_training.frozen_bodies` has the others)."""
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor: ...
+
 
 def block_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    block_layout: BlockLayout | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+                    block_layout: Layout | None = None, **_: Any) -> tuple[torch.Tensor, None]:
     """A transformers attention function: query [N, H, T, d], key and value [N, Hkv, T, d] → [N, T, H, d].
-    It is the model's attention only inside :func:`block_scores`, which always passes ``block_layout``."""
+    It is the model's attention only inside :func:`block_scores` (or :func:`attention_of`), which always
+    pass ``block_layout``."""
     if block_layout is None:
         raise ValueError("block_attention needs the block_layout that block_scores passes")
-    layout = block_layout
-    batch, heads, length, dim = query.shape
-    prefix = F.scaled_dot_product_attention(query[:, :, :layout.prefix], key[:, :, :layout.prefix],
-                                            value[:, :, :layout.prefix], is_causal=True, scale=scaling,
-                                            enable_gqa=heads != key.shape[1])
-    blocks, span = layout.mask.shape[0], layout.mask.shape[2]
-    q = query[layout.block_prompt, :, layout.block_rows].view(blocks, span, heads, dim).transpose(1, 2)
-    k = key[layout.key_prompt, :, layout.block_keys].view(blocks, -1, key.shape[1], dim).transpose(1, 2)
-    v = value[layout.key_prompt, :, layout.block_keys].view(blocks, -1, key.shape[1], dim).transpose(1, 2)
-    attended = _small_attention(q, k, v, layout.mask, scaling if scaling is not None else dim ** -0.5)
-    source = torch.cat([prefix.transpose(1, 2).reshape(-1, heads, dim),
-                        attended.transpose(1, 2).reshape(-1, heads, dim), query.new_zeros(1, heads, dim)])
-    return source[layout.gather].view(batch, length, heads, dim), None
+    return block_layout.attend(module.layer_idx, query, key, value,
+                               scaling if scaling is not None else query.shape[-1] ** -0.5), None
 
 
-def _small_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def small_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
     """Masked attention of short blocks as two batched matmuls: query [M, H, L, d], key and value
     [M, Hkv, S, d], mask [M, 1, L, S] → [M, H, L, d]. Why not SDPA: its CPU kernel is tiled for long
     queries, and on [80, 9, 34, 228] ran at a third of the matmuls' rate; here the heads that share a
@@ -149,7 +164,7 @@ def _register() -> None:
 
 
 @contextmanager
-def _implementation(causal_lm: Any) -> Iterator[None]:
+def attention_of(causal_lm: Any) -> Iterator[None]:
     """The model's attention is :func:`block_attention` inside, its own again after."""
     _register()
     config = causal_lm.config
@@ -171,7 +186,7 @@ def block_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int
     layout = BlockLayout.of(prompts, length).to(device, torch.bfloat16 if autocast else causal_lm.dtype)
     # a 4-D mask passes transformers' mask creation untouched; block_attention reads the layout instead
     unused = torch.ones(len(prompts), 1, 1, 1, dtype=torch.bool, device=device)
-    with _implementation(causal_lm), torch.autocast(device.type, dtype=torch.bfloat16,
+    with attention_of(causal_lm), torch.autocast(device.type, dtype=torch.bfloat16,
                                                     enabled=autocast):
         hidden = causal_lm.model(input_ids=ids.to(device), attention_mask=unused, position_ids=positions.to(device),
                                  use_cache=False, block_layout=layout).last_hidden_state

@@ -51,7 +51,9 @@ class Example:
     label_positions: torch.Tensor | None = None
     """Where each order's K label tokens stand in its prompt [P, K] (read by the pointwise term)."""
     isolated: tuple[IsolatedInputs, ...] = ()
-    """Each order's candidate blocks, for ``--scorer isolated`` (:mod:`kvshard_sidecar.engine.isolated_scorer`)."""
+    """Each order's candidate blocks, for ``--scorer isolated`` or ``late``
+    (:mod:`kvshard_sidecar.engine.isolated_scorer`), each ending at its label opening (the rows after it are read
+    by nothing: :meth:`~kvshard_sidecar.engine.isolated_scorer.IsolatedInputs.ending_at_openings`)."""
     positives: torch.Tensor | None = None
     """With later targets (``--positives``): each order's hard target [P, K], spread evenly over the target
     and the later targets; ``None``: the one-hot of ``targets``."""
@@ -82,7 +84,8 @@ class Example:
                    torch.tensor(alignment, dtype=torch.long),
                    None if soft is None else torch.tensor(soft, dtype=torch.float32),
                    torch.tensor([label_positions(o) for o in orders], dtype=torch.long),
-                   tuple(IsolatedInputs.of(o, interaction) for o in orders) if isolated else (), positives,
+                   tuple(IsolatedInputs.of(o, interaction).ending_at_openings() for o in orders) if isolated else (),
+                   positives,
                    None if stage is None else torch.tensor(stage, dtype=torch.float32))
 
     @property

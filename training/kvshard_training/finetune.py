@@ -76,6 +76,7 @@ from kvshard_sidecar.engine.isolated_scorer import (
 from kvshard_sidecar.engine.model import UnsupportedModelError, default_model_path, load_model
 from kvshard_training.block_attention import block_scores
 from kvshard_training.examples import Example, TrainingData, training_data
+from kvshard_training.frozen_bodies import FrozenBodies
 from kvshard_training.lora import lineage_seconds, lora_model, save_adapter, warm_start
 from kvshard_training.merge import ADAPTER_WEIGHTS
 from kvshard_training.model_teacher import ScorerTeacher, mixed_distribution, zscore
@@ -198,16 +199,18 @@ def served_scores(scores: torch.Tensor, stage: torch.Tensor | None) -> torch.Ten
 
 
 def batch_losses(causal_lm: Any, examples: Sequence[Example], settings: FinetuneSettings,
-                 readout: int, scale: torch.Tensor | None = None) -> list[torch.Tensor]:
+                 readout: int, scale: torch.Tensor | None = None,
+                 bodies: FrozenBodies | None = None) -> list[torch.Tensor]:
     """Each example's :func:`example_loss`. Isolated or late examples are scored together, in one forward
     pass (:func:`training_scores`); an answer-position example takes its own path, one at a time.
-    ``scale``: the learned temperature of the served fusion (``--retrieval-weight``)."""
+    ``scale``: the learned temperature of the served fusion (``--retrieval-weight``); ``bodies``: the late
+    scorer's item bodies through the frozen layers (``--body-cache-mib``)."""
     if not all(e.isolated for e in examples):
         if len(examples) == 1:
             return [example_loss(causal_lm, examples[0], settings, readout, scale)]
         raise ValueError("only isolated or late examples are scored in batches (--batch needs --scorer isolated "
                          "or late)")
-    scores = training_scores(causal_lm, [inputs for e in examples for inputs in e.isolated], readout)
+    scores = training_scores(causal_lm, [inputs for e in examples for inputs in e.isolated], readout, bodies)
     losses, start = [], 0
     for example in examples:
         losses.append(isolated_loss(torch.stack(scores[start:start + example.orders]), example, settings, scale))
@@ -215,12 +218,15 @@ def batch_losses(causal_lm: Any, examples: Sequence[Example], settings: Finetune
     return losses
 
 
-def training_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int) -> list[torch.Tensor]:
+def training_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int,
+                    bodies: FrozenBodies | None = None) -> list[torch.Tensor]:
     """The isolated or late scores of ``prompts`` in one training forward pass: on the CPU with the block
     attention (:func:`~kvshard_training.block_attention.block_scores`: the masked pairs skipped, the same
-    scores, a step 1.06x as fast), elsewhere with the dense block mask (:func:`batched_isolated_scores`)."""
+    scores, a step 1.06x as fast) — given ``bodies``, a late scorer's item bodies skipped in the frozen
+    layers too (:mod:`kvshard_training.frozen_bodies`) — elsewhere with the dense block mask
+    (:func:`batched_isolated_scores`)."""
     if causal_lm.device.type == "cpu":
-        return block_scores(causal_lm, prompts, readout)
+        return bodies.scores(prompts, readout) if bodies is not None else block_scores(causal_lm, prompts, readout)
     return batched_isolated_scores(causal_lm, prompts, readout)
 
 
@@ -358,6 +364,11 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
         scorer_teacher.check_base(base["tokenizer"])
         data.teacher = {**data.teacher, "scorer": scorer_teacher.describe(settings.teacher_model_weight)}
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    bodies = None
+    if device == "cpu" and settings.scorer == "late" and settings.body_cache_mib > 0:
+        bodies = FrozenBodies(causal_lm, settings.body_cache_mib << 20)
+        log.info("item bodies computed once through the %d frozen layers (--body-cache-mib %d)", bodies.frozen,
+                 settings.body_cache_mib)
     # The served fusion's z-scores are unit-free; the softmax over them needs a temperature, learned (log scale).
     log_scale = torch.nn.Parameter(torch.tensor(1.0, device=device)) if settings.retrieval_weight > 0 else None
     optimizer = torch.optim.AdamW([*trainable, *([log_scale] if log_scale is not None else [])], lr=settings.lr,
@@ -384,7 +395,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
         step_loss = 0.0
         for start in range(0, len(batch), settings.batch):
             losses = batch_losses(causal_lm, batch[start:start + settings.batch], settings, readout,
-                                  None if log_scale is None else log_scale.exp())
+                                  None if log_scale is None else log_scale.exp(), bodies)
             torch.autograd.backward(torch.stack(losses).sum() / len(batch))
             step_loss += sum(float(loss.detach()) for loss in losses) / len(batch)
         if settings.clip > 0:
@@ -402,6 +413,9 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
             last, last_scores = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
     bar.close()
     elapsed = time.perf_counter() - started
+    if bodies is not None:
+        log.info("item bodies: %d computed, %d read from the cache (%.0f MiB kept)", bodies.misses, bodies.hits,
+                 bodies.nbytes / 2**20)
     if last is None or last["step"] != done_steps:
         last, last_scores = _validate(peft_model, causal_lm, data.validation, curve, done_steps, out, readout)
     save_adapter(peft_model, out, base["name"])
