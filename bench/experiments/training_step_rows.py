@@ -4,7 +4,7 @@ The late scorer's hour is compute-bound, and on an AVX2-only CPU (float32: bfloa
 buys ~1,400 examples of the shipped recipe where the shipped adapter saw 2,872. Two kinds of rows cost a
 step without changing what it computes:
 
-* a candidate's block is its item, then its label ``" [A]\n"``, and the score is read at the label opening
+* a candidate's block is its item, then its label ``" [A]\\n"``, and the score is read at the label opening
   ``" ["``: the letter, ``"]"`` and the newline after it are read by nothing (blocks never read each
   other), yet the forward and the backward compute them
   (:meth:`~kvshard_sidecar.engine.isolated_scorer.IsolatedInputs.ending_at_openings` cuts them);
@@ -12,15 +12,16 @@ step without changing what it computes:
   ``interaction``) reads only its item: its rows there are the same in every prompt and at every step
   (:class:`~kvshard_training.frozen_bodies.FrozenBodies` computes each once and reads it after).
 
-This script takes the shipped late recipe's first training requests and times a forward + backward of them
-(fine-tuning's block attention, float32, LoRA on the top 15 layers) three ways — whole blocks, blocks cut
-at their openings, and cut blocks with the bodies read from the frozen layers' cache (filled by the first
-pass, as in training after its first examples) — interleaved ``ROUNDS`` times, after checking that all
-three give the same scores and gradients.
+This script builds the shipped late recipe's first ``STEPS`` × 2 training examples twice — with whole blocks
+(as before this change) and cut at their openings — checks that every variant gives the same losses and
+gradients (float32), and then times the training loop's own optimizer steps (``finetune.batch_losses``, the
+backward, clipping, AdamW; LoRA on the top 15 layers, float32) four ways, interleaved ``ROUNDS`` times:
+whole blocks one example per forward pass (the loop before this change, ``--batch 1``), cut blocks, cut
+blocks with the bodies read from the frozen layers' cache (filled beforehand, as it is after a training
+run's first few hundred examples), and that with both examples of a step in one pass (``--batch 2``).
 
-Run: ``.venv/bin/python bench/experiments/training_step_rows.py [EXAMPLES] [ROUNDS] [PER_PASS]`` (default 4,
-5 and 1 — one example per forward pass, as ``kvshard model finetune --batch 1``; about 3 minutes on 2 idle
-cores).
+Run: ``.venv/bin/python bench/experiments/training_step_rows.py [STEPS] [ROUNDS]`` (default 6 and 3; about
+6 minutes on 2 idle cores).
 """
 
 from __future__ import annotations
@@ -28,54 +29,86 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+from unittest import mock
 
 import torch
-from training_step_attention import Scorer, adapted_model, step
+from training_step_attention import adapted_model
 
-from kvshard.datasets import load_dataset
-from kvshard.prompt_template import PromptTemplate
-from kvshard.prompts import PromptBuilder
-from kvshard.splits import training_requests
 from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs
-from kvshard_training.block_attention import block_scores
-from kvshard_training.examples import split_users
+from kvshard_training.examples import Example, training_data
+from kvshard_training.finetune import batch_losses
 from kvshard_training.frozen_bodies import FrozenBodies
+from kvshard_training.settings import FinetuneSettings
 
 
-def main(examples: int = 4, rounds: int = 5, per_pass: int = 1) -> None:
+def optimizer_steps(causal_lm: Any, trainable: list[torch.Tensor], examples: Sequence[Example],
+                    settings: FinetuneSettings, readout: int, bodies: FrozenBodies | None) -> list[float]:
+    """What ``kvshard model finetune`` does per step, for every step of ``examples``: the losses, the
+    backward, clipping and an AdamW step (a fresh optimizer: its state is not what is timed). Returns the
+    step losses."""
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr)
+    losses = []
+    for start in range(0, len(examples), settings.accumulation):
+        batch = examples[start:start + settings.accumulation]
+        step_loss = 0.0
+        for first in range(0, len(batch), settings.batch):
+            parts = batch_losses(causal_lm, batch[first:first + settings.batch], settings, readout, None, bodies)
+            torch.autograd.backward(torch.stack(parts).sum() / len(batch))
+            step_loss += sum(float(p.detach()) for p in parts) / len(batch)
+        torch.nn.utils.clip_grad_norm_(trainable, settings.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+    return losses
+
+
+def gradients(causal_lm: Any, trainable: list[torch.Tensor], examples: Sequence[Example],
+              settings: FinetuneSettings, readout: int, bodies: FrozenBodies | None) -> tuple[list[float],
+                                                                                            list[torch.Tensor]]:
+    """Each example's loss and the summed gradient of them all, at the current weights."""
+    losses = [batch_losses(causal_lm, [e], settings, readout, None, bodies)[0] for e in examples]
+    return [float(loss.detach()) for loss in losses], list(torch.autograd.grad(torch.stack(losses).sum(), trainable))
+
+
+def main(steps: int = 6, rounds: int = 3) -> None:
     torch.set_num_threads(2)
-    causal_lm, trainable, settings, tokenizer, readout = adapted_model(15, "float32")
-    dataset = load_dataset(settings.dataset)
-    _, _, users = split_users(settings, dataset)
-    builder = PromptBuilder(tokenizer, dataset, template=PromptTemplate(label_position="after"))
-    requests = training_requests(dataset, users, settings.history, settings.candidates, examples, settings.seed,
-                                 settings.window)
-    whole = [IsolatedInputs.of(builder.build(r), settings.interaction) for r in requests]
-    cut = [p.ending_at_openings() for p in whole]
+    causal_lm, trainable, recipe, tokenizer, readout = adapted_model(15, "float32")
+    settings = replace(recipe, steps=steps, val_users=2, batch=1)
+    cut = training_data(settings, tokenizer).examples
+    with mock.patch.object(IsolatedInputs, "ending_at_openings", lambda inputs: inputs):
+        whole = training_data(settings, tokenizer).examples
     bodies = FrozenBodies(causal_lm, 1 << 30)
-    variants: dict[str, tuple[Scorer, list[IsolatedInputs]]] = {
-        "whole blocks": (block_scores, whole), "cut at openings": (block_scores, cut),
-        "cut, bodies cached": (lambda _, prompts, token: bodies.scores(prompts, token), cut)}
-    reference, reference_grads = step(causal_lm, trainable, block_scores, whole, per_pass, readout)
-    for name, (scorer, prompts) in list(variants.items())[1:]:
-        scores, grads = step(causal_lm, trainable, scorer, prompts, per_pass, readout)
-        score_diff = max(float((a - b).abs().max()) for a, b in zip(reference, scores, strict=True))
+    variants: dict[str, tuple[Sequence[Example], FinetuneSettings, FrozenBodies | None]] = {
+        "whole blocks, 1 per pass": (whole, settings, None), "cut, 1 per pass": (cut, settings, None),
+        "cut, bodies cached, 1 per pass": (cut, settings, bodies),
+        "cut, bodies cached, 2 per pass": (cut, replace(settings, batch=2), bodies)}
+    reference, reference_grads = gradients(causal_lm, trainable, whole, settings, readout, None)
+    for name, (examples, each, cache) in list(variants.items())[1:]:
+        losses, grads = gradients(causal_lm, trainable, examples, each, readout, cache)
+        loss_diff = max(abs(a - b) for a, b in zip(reference, losses, strict=True))
         grad_diff = max(float((a - b).norm() / a.norm()) for a, b in zip(reference_grads, grads, strict=True))
-        print(f"float32, {examples} prompts: {name} − whole blocks max |score| {score_diff:.1e} "
-              f"(scores ~{float(reference[0].abs().mean()):.0f}), gradient relative {grad_diff:.1e}")
+        print(f"float32, {len(examples)} examples: {name} − whole blocks: max |loss| {loss_diff:.1e} "
+              f"(losses ~{statistics.mean(reference):.1f}), gradient relative {grad_diff:.1e}")
     print(f"{bodies.frozen} frozen layers, {len(bodies.bodies)} bodies cached ({bodies.nbytes / 2**20:.0f} MiB)")
     seconds: dict[str, list[float]] = {name: [] for name in variants}
+    state = [t.detach().clone() for t in trainable]
     for _ in range(rounds):
-        for name, (scorer, prompts) in variants.items():
+        for name, (examples, each, cache) in variants.items():
+            with torch.no_grad():
+                for tensor, saved in zip(trainable, state, strict=True):
+                    tensor.copy_(saved)
             started = time.perf_counter()
-            step(causal_lm, trainable, scorer, prompts, per_pass, readout)
-            seconds[name].append(time.perf_counter() - started)
-    base = statistics.median(seconds["whole blocks"])
+            optimizer_steps(causal_lm, trainable, examples, each, readout, cache)
+            seconds[name].append((time.perf_counter() - started) / len(examples))
+    base = statistics.median(seconds["whole blocks, 1 per pass"])
     for name, times in seconds.items():
-        tokens = sum(len(p.token_ids) for p in variants[name][1]) / examples
-        print(f"  {name:<18} {tokens:.0f} tokens per prompt, {statistics.median(times):.2f} s per {examples} "
-              f"examples, {per_pass} per pass (median of {rounds}), {base / statistics.median(times):.2f}x")
+        tokens = statistics.mean(e.tokens for e in variants[name][0])
+        print(f"  {name:<31} {tokens:.0f} tokens per prompt, {statistics.median(times):.2f} s per example "
+              f"(median of {rounds}), {base / statistics.median(times):.2f}x")
 
 
 if __name__ == "__main__":
-    main(*(int(n) for n in sys.argv[1:4]))
+    main(*(int(n) for n in sys.argv[1:3]))

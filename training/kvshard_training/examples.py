@@ -92,6 +92,12 @@ class Example:
     def orders(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def tokens(self) -> int:
+        """Tokens a training forward computes per order: the scored rows of an isolated or late example (its
+        blocks cut at their openings), else the whole prompt."""
+        return len(self.isolated[0].token_ids) if self.isolated else int(self.input_ids.shape[1])
+
     def to(self, device: str | torch.device) -> Example:
         """The same example with its tensors on ``device`` (itself when they are there already)."""
         def move(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -351,7 +351,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     steps = math.ceil(len(examples) / settings.accumulation)
     log.info("%d training examples (%d steps × %d), %d validation prompts, ~%.0f tokens per prompt; %s on %s",
              len(examples), steps, settings.accumulation, len(data.validation),
-             sum(e.input_ids.shape[1] for e in examples[:64]) / min(64, len(examples)), settings.precision, device)
+             sum(e.tokens for e in examples[:64]) / min(64, len(examples)), settings.precision, device)
 
     readout = readout_id(loaded.tokenizer)
     peft_model = lora_model(loaded.model, settings)
