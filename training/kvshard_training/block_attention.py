@@ -134,8 +134,8 @@ def block_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     block_layout: Layout | None = None, **_: Any) -> tuple[torch.Tensor, None]:
     """A transformers attention function: query [N, H, T, d], key and value [N, Hkv, T, d] → [N, T, H, d].
-    It is the model's attention only inside :func:`block_scores` (or :func:`attention_of`), which always
-    pass ``block_layout``."""
+    It is the model's attention only inside :func:`attention_of`, and the callers that switch it on
+    (:func:`block_scores`, :class:`~kvshard_training.frozen_bodies.FrozenBodies`) always pass ``block_layout``."""
     if block_layout is None:
         raise ValueError("block_attention needs the block_layout that block_scores passes")
     return block_layout.attend(module.layer_idx, query, key, value,
@@ -186,8 +186,7 @@ def block_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int
     layout = BlockLayout.of(prompts, length).to(device, torch.bfloat16 if autocast else causal_lm.dtype)
     # a 4-D mask passes transformers' mask creation untouched; block_attention reads the layout instead
     unused = torch.ones(len(prompts), 1, 1, 1, dtype=torch.bool, device=device)
-    with attention_of(causal_lm), torch.autocast(device.type, dtype=torch.bfloat16,
-                                                    enabled=autocast):
+    with attention_of(causal_lm), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = causal_lm.model(input_ids=ids.to(device), attention_mask=unused, position_ids=positions.to(device),
                                  use_cache=False, block_layout=layout).last_hidden_state
     return prompts_readout_scores(causal_lm, prompts, hidden, readout)

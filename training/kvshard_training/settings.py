@@ -142,10 +142,10 @@ class FinetuneSettings:
                             "and --batch 16 or more")
     body_cache_mib: int = setting(2048, "--scorer late on the CPU: MiB of item bodies kept through the frozen "
                                         "layers below --layers (each body computed once, then only the rows "
-                                        "that read the history run there: the same scores, a forward + "
-                                        "backward 1.05x as fast one example per pass, 1.12x two per pass); "
-                                        "least recently used out beyond it (~0.25 MiB per MovieLens item); 0 "
-                                        "= off")
+                                        "that read the history run there: the same scores; measured 2.61 -> "
+                                        "2.55 s per training example one per pass, 2.39 with --batch 2: "
+                                        "bench/experiments/training_step_rows.py); least recently used out "
+                                        "beyond it (~0.25 MiB per MovieLens item); 0 = off")
     precision: str = setting("auto", "'bfloat16': the frozen base weights in bfloat16 and its matmuls under "
                                      "autocast, the adapters and optimizer in float32 (1.8x faster than float32 "
                                      "on CPUs with AMX or AVX512-BF16, and the GPUs' choice; on a CPU without "
