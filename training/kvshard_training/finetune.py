@@ -42,9 +42,8 @@ bfloat16 under autocast as on a CPU that computes bfloat16 (``--precision auto``
 only emulate it), and ``--batch N`` scores N isolated or late examples per forward
 pass (:func:`batched_isolated_scores`: their block masks padded into one, the same losses as one by one);
 on the CPU one example at a time stays the default, and the forward skips the pairs the block mask hides
-(:mod:`kvshard_training.block_attention`: the same losses, a step 1.06x as fast), the rows after each label
-opening (read by nothing) and, for a late scorer, its item bodies below the first adapted layer
-(:mod:`kvshard_training.frozen_bodies`: computed once) — the same losses, a step 1.21x as fast. The output folder
+(:mod:`kvshard_training.block_attention`) and a late scorer's item bodies below the first adapted layer
+(:mod:`kvshard_training.frozen_bodies`): the same losses, a step 1.21x as fast. The output folder
 gets ``adapter_model.safetensors``, ``adapter_config.json``, ``provenance.json`` and the loss curve (JSON
 after every step, PNG at each validation); :mod:`kvshard_training.merge` merges it into a prepared model
 folder.
@@ -223,10 +222,8 @@ def batch_losses(causal_lm: Any, examples: Sequence[Example], settings: Finetune
 def training_scores(causal_lm: Any, prompts: Sequence[IsolatedInputs], readout: int,
                     bodies: FrozenBodies | None = None) -> list[torch.Tensor]:
     """The isolated or late scores of ``prompts`` in one training forward pass: on the CPU with the block
-    attention (:func:`~kvshard_training.block_attention.block_scores`: the masked pairs skipped, the same
-    scores, a step 1.06x as fast) — given ``bodies``, a late scorer's item bodies skipped in the frozen
-    layers too (:mod:`kvshard_training.frozen_bodies`) — elsewhere with the dense block mask
-    (:func:`batched_isolated_scores`)."""
+    attention (:func:`~kvshard_training.block_attention.block_scores`), given ``bodies`` through their cache
+    (:mod:`kvshard_training.frozen_bodies`), elsewhere with the dense block mask (:func:`batched_isolated_scores`)."""
     if causal_lm.device.type == "cpu":
         return bodies.scores(prompts, readout) if bodies is not None else block_scores(causal_lm, prompts, readout)
     return batched_isolated_scores(causal_lm, prompts, readout)

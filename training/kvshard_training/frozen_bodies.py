@@ -90,10 +90,12 @@ class _Recording:
 
 
 def rotated(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE by the angles of ``cos``/``sin`` (transformers' half-split convention): keys rotated at
+    """RoPE by the angles of ``cos``/``sin`` (transformers' own half-split rotation): keys rotated at
     position p, rotated again by position q, stand at p + q."""
-    half = keys.shape[-1] // 2
-    return keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], dim=-1) * sin
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    turned: torch.Tensor = rotate_half(keys)  # type: ignore[no-untyped-call]
+    return keys * cos + turned * sin
 
 
 @dataclass(frozen=True)
@@ -229,12 +231,15 @@ class FrozenBodies:
         ``gather`` [N · T] that rebuilds the full rows from [the reduced rows; every body's rows; a zero]."""
         device = self.causal_lm.device
         prefix = max(p.prefix for p in prompts)
-        kept = [list(range(p.prefix)) + [row for b in range(len(p.blocks))
-                                         for row in range(p.blocks[b][0] + len(body_of(p, b)), p.blocks[b][1])]
-                for p in prompts]
+        flat = iter(len(body.hidden) for body in bodies)  # in the prompts' block order
+        lengths = [[next(flat) for _ in p.blocks] for p in prompts]
+        kept = [list(range(p.prefix)) + [row for (start, stop), length in zip(p.blocks, lengths[n], strict=True)
+                                         for row in range(start + length, stop)]
+                for n, p in enumerate(prompts)]
         reduced_length, full_length = max(map(len, kept)), max(len(p.token_ids) for p in prompts)
-        readers = max(stop - start - len(body_of(p, b)) for p in prompts for b, (start, stop) in enumerate(p.blocks))
-        longest_body = max(len(body_of(p, b)) for p in prompts for b in range(len(p.blocks)))
+        readers = max(stop - start - length for p, each in zip(prompts, lengths, strict=True)
+                      for (start, stop), length in zip(p.blocks, each, strict=True))
+        longest_body = max(max(each) for each in lengths)
         ids = torch.zeros(len(prompts), reduced_length, dtype=torch.long)
         positions = torch.zeros(len(prompts), reduced_length, dtype=torch.long)
         reduced_rows = len(prompts) * reduced_length
@@ -256,7 +261,7 @@ class FrozenBodies:
             full_gather[n, :prompt.prefix] = n * reduced_length + torch.arange(prompt.prefix)
             at = prompt.prefix
             for b, (start, stop) in enumerate(prompt.blocks):
-                length = len(body_of(prompt, b))
+                length = lengths[n][b]
                 count = stop - start - length
                 full_gather[n, start:start + length] = body_row + torch.arange(length)
                 body_row += length
