@@ -37,7 +37,7 @@ from kvshard_bench.recommender import Answers, format_table, permutations, sampl
 from kvshard_sidecar.engine.isolated_scorer import readout_id
 from kvshard_sidecar.engine.model import load_model
 from kvshard_training.examples import label_positions
-from kvshard_training.finetune import answer_and_label_logits
+from kvshard_training.losses import answer_and_label_logits
 
 PATH = Path(sys.argv[1])
 USERS = int(sys.argv[2]) if len(sys.argv) > 2 else 100

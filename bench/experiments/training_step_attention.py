@@ -36,7 +36,7 @@ dense 4 per pass 1.07x, block 4 per pass 1.26x — the loaded run's 1.18x was pa
 
 Computing the masked pairs is what costs, not the kernel that computes them (math ≈ dense); skipping them
 buys about a sixth of a forward + backward, exactly (float32 differences at rounding). Fine-tuning on the
-CPU now uses the block attention (:func:`kvshard_training.finetune.batch_losses`); there a whole step
+CPU now uses the block attention (:func:`kvshard_training.losses.batch_losses`); there a whole step
 gained less, 1.06-1.07x (two 24-step ``kvshard model finetune`` probes in each order; docs/experiments.md),
 and why the loop saves half the seconds this script does is not yet explained.
 """

@@ -14,7 +14,7 @@ step without changing what it computes:
 
 This script builds the shipped late recipe's first ``STEPS`` × 2 training examples twice — with whole blocks
 (as before this change) and cut at their openings — checks that every variant gives the same losses and
-gradients (float32), and then times the training loop's own optimizer steps (``finetune.batch_losses``, the
+gradients (float32), and then times the training loop's own optimizer steps (``losses.batch_losses``, the
 backward, clipping, AdamW; LoRA on the top 15 layers, float32) four ways, interleaved ``ROUNDS`` times:
 whole blocks one example per forward pass (the loop before this change, ``--batch 1``), cut blocks, cut
 blocks with the bodies read from the frozen layers' cache (filled beforehand, as it is after a training
@@ -39,8 +39,8 @@ from training_step_attention import adapted_model
 
 from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs
 from kvshard_training.examples import Example, training_data
-from kvshard_training.finetune import batch_losses
 from kvshard_training.frozen_bodies import FrozenBodies
+from kvshard_training.losses import batch_losses
 from kvshard_training.settings import FinetuneSettings
 
 

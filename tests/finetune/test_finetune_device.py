@@ -118,7 +118,7 @@ def test_a_batch_has_the_losses_and_gradients_of_its_examples_one_by_one(tmp_pat
     from kvshard_sidecar.engine.isolated_scorer import readout_id
     from kvshard_sidecar.engine.model import load_model
     from kvshard_training.examples import training_data
-    from kvshard_training.finetune import batch_losses, example_loss
+    from kvshard_training.losses import batch_losses, example_loss
 
     settings = tiny(tmp_path, catalog, precision="float32", steps=3, accumulation=3, batch=3)
     loaded = load_model(dtype="float32")

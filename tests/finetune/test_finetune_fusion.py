@@ -15,7 +15,7 @@ from kvshard.ranking import fuse_scores
 from kvshard.retrieval import RetrievalIndex
 from kvshard.settings import SettingsError
 from kvshard_training.examples import stage_terms
-from kvshard_training.finetune import served_scores
+from kvshard_training.losses import served_scores
 from kvshard_training.settings import FinetuneSettings
 from kvshard_training.teacher import ItemKnnTeacher
 

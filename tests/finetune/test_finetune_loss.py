@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvshard_training.finetune import (
+from kvshard_training.finetune import lr_factor
+from kvshard_training.losses import (
     answer_and_label_logits,
     answer_logits,
     label_loss,
-    lr_factor,
     mixed_cross_entropy,
     order_disagreement,
 )

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvshard_training.finetune import label_loss
+from kvshard_training.losses import label_loss
 from kvshard_training.teacher import ItemKnnTeacher, soft_distribution, teacher_quality
 
 # Each history ends with the validation target and the last item, which the teacher must not see.

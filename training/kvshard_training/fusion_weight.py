@@ -34,8 +34,8 @@ from kvshard.splits import validation_requests
 from kvshard_sidecar.engine.isolated_scorer import readout_id
 from kvshard_sidecar.engine.model import default_model_path, load_model
 from kvshard_training.examples import split_users, validation_set
-from kvshard_training.finetune import order_scores
 from kvshard_training.lora import lora_model, warm_start
+from kvshard_training.losses import order_scores
 from kvshard_training.merge import Adapter
 from kvshard_training.report import PROVENANCE_FILE, write_json_atomic
 from kvshard_training.settings import FinetuneSettings, cpu_has_bfloat16
