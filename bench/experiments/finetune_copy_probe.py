@@ -17,11 +17,11 @@ import sys
 from typing import Any
 
 from kvshard.cli import build_parser
-from kvshard_training import finetune
+from kvshard_training import examples, finetune
 from kvshard_training import settings as finetune_settings
 
-_real_training = finetune.training_requests
-_real_validation = finetune.validation_requests
+_real_training = examples.training_requests  # where finetune's training_data looks them up
+_real_validation = examples.validation_requests
 
 
 def with_target_in_history(requests: list[Any]) -> list[Any]:
@@ -29,8 +29,8 @@ def with_target_in_history(requests: list[Any]) -> list[Any]:
 
 
 def main(argv: list[str]) -> int:
-    finetune.training_requests = lambda *a, **k: with_target_in_history(_real_training(*a, **k))  # type: ignore[assignment]
-    finetune.validation_requests = lambda *a, **k: with_target_in_history(_real_validation(*a, **k))  # type: ignore[assignment]
+    examples.training_requests = lambda *a, **k: with_target_in_history(_real_training(*a, **k))  # type: ignore[assignment]
+    examples.validation_requests = lambda *a, **k: with_target_in_history(_real_validation(*a, **k))  # type: ignore[assignment]
     words = ["model", "finetune", "--teacher", "none", *argv]
     result = finetune.train(finetune_settings.from_args(build_parser(words).parse_args(words)))
     print(f"copy task: validation HR@1 {result.validation['hr1']:.3f}, "

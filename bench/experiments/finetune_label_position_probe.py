@@ -40,7 +40,7 @@ import sys
 from finetune_copy_probe import with_target_in_history
 
 from kvshard.cli import build_parser
-from kvshard_training import finetune
+from kvshard_training import examples, finetune
 from kvshard_training import settings as finetune_settings
 
 
@@ -49,9 +49,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--copy", action="store_true", help="the copy task: the target also in the history")
     own, rest = parser.parse_known_args(argv)
     if own.copy:
-        real_training, real_validation = finetune.training_requests, finetune.validation_requests
-        finetune.training_requests = lambda *a, **k: with_target_in_history(real_training(*a, **k))  # type: ignore[assignment]
-        finetune.validation_requests = lambda *a, **k: with_target_in_history(real_validation(*a, **k))  # type: ignore[assignment]
+        real_training, real_validation = examples.training_requests, examples.validation_requests
+        examples.training_requests = lambda *a, **k: with_target_in_history(real_training(*a, **k))  # type: ignore[assignment]
+        examples.validation_requests = lambda *a, **k: with_target_in_history(real_validation(*a, **k))  # type: ignore[assignment]
     words = ["model", "finetune", *rest]
     settings = finetune_settings.from_args(build_parser(words).parse_args(words))
     result = finetune.train(settings)
