@@ -12,22 +12,29 @@ forward, the backward, the optimizer — with forward hooks on the decoder layer
 * ``bodies detached``: an approximation, not in the product — the bodies also pass the adapted layers
   alone, at the current weights but without a gradient (:class:`DetachedBodies`), so the step's forward
   and backward there run on the history and the readers only. The forward is the same (the scores are
-  checked equal); the adapters lose the gradient through how an item is encoded.
+  checked equal); the adapters lose the gradient through how an item is encoded;
+* ``bodies stale`` (:class:`StaleBodies`, in the ``run`` form only): the bodies' adapted-layer keys and
+  values kept and reused until ``REFRESH`` steps old, so most steps skip the bodies' pass too.
 
 Examples: the shipped late recipe's first ``STEPS`` × 2 (``--batch 2``, float32, LoRA on the top 15 layers),
 the body cache filled beforehand, each variant run ``ROUNDS`` times, interleaved; medians per example.
 
 Run: ``cd bench/experiments && ../../.venv/bin/python training_step_profile.py [STEPS] [ROUNDS]`` (default
-8 and 2; about 4 minutes on 2 idle cores). ``training_step_profile.py run MINUTES`` trains the shipped late
-recipe that long with the bodies detached (:func:`detached_run`), to compare its loss curve with the
-shipped run's at equal steps (the same seed: the same examples in the same order).
+8 and 2; about 4 minutes on 2 idle cores). ``training_step_profile.py run MINUTES [REFRESH]`` trains the
+shipped late recipe that long with the bodies detached (stale up to ``REFRESH`` steps where given:
+:func:`detached_run`), to compare its loss curve with the shipped run's at equal steps (the same seed: the
+same examples in the same order) and its adapter with the exact hour's. ``training_step_profile.py ops``
+prints ``torch.profiler``'s operator table for four loop steps (:func:`operator_profile`).
 
 Answer (2026-12-07, AVX2 AMD EPYC, float32): the frozen forward is a quarter of a step (whole rows .557 of
 2.164 s per example), the cache cuts it to .354 (step 1.13x); the adapted layers' forward and backward are
 70 %. Detached, the backward falls .850 -> .543 and the bodies' pass adds .106 to the forward: 1.14x over
 the cache (1.02x in a first, quicker form an hour earlier). A 17-minute run learned as much per example
 as the shipped run through its first 200 examples, at 1.08-1.10x the examples per second in the loop;
-not adopted (docs/experiments.md).
+not adopted. Stale up to 64 steps (``run 56 64``): 2,390 examples in the hour (1.41 s each, ~1.46x the exact
+step's), but a loss .09-.14 above the shipped run's at equal steps from step 500; alone HR@1 .340 on 300
+validation prompts (the exact hour .303), .279 on the 955 held-out requests (isolated .338): not adopted.
+``aten::mm`` is 68 % of a step (``ops``). docs/experiments.md has the tables.
 """
 
 from __future__ import annotations
@@ -98,6 +105,35 @@ class DetachedBodies(FrozenBodies):
                                  torch.cat([b.values, values[row, :, :, :len(b.hidden)]]), b.hidden)
                      for row, b in enumerate(distinct)}
         return [continued[id(b)] for b in bodies]
+
+
+class StaleBodies(DetachedBodies):
+    """:class:`DetachedBodies` whose adapted-layer keys and values are kept and reused until they are
+    ``refresh`` training passes old (then computed again at the current weights): a further approximation,
+    the bodies read as the adapter encoded them up to ``refresh`` steps ago."""
+
+    refresh = 64
+
+    def __init__(self, causal_lm: Any, capacity: int) -> None:
+        super().__init__(causal_lm, capacity)
+        self.passes = 0
+        self.adapted: dict[int, tuple[int, Body, Body]] = {}  # id(frozen body) -> (pass, frozen body, continued)
+        self.adapted_hits = self.adapted_misses = 0
+
+    def scores(self, prompts: Sequence[IsolatedInputs], readout: int) -> list[torch.Tensor]:
+        self.passes += torch.is_grad_enabled()
+        return super().scores(prompts, readout)
+
+    def _through_adapted(self, bodies: Sequence[Body]) -> list[Body]:
+        distinct = list({id(body): body for body in bodies}.values())
+        stale = [b for b in distinct if id(b) not in self.adapted
+                 or self.passes - self.adapted[id(b)][0] >= self.refresh]
+        self.adapted_misses += len(stale)
+        self.adapted_hits += len(distinct) - len(stale)
+        if stale:
+            for frozen, continued in zip(stale, super()._through_adapted(stale), strict=True):
+                self.adapted[id(frozen)] = (self.passes, frozen, continued)
+        return [self.adapted[id(b)][2] for b in bodies]
 
 
 class LayerClock:
@@ -184,23 +220,46 @@ def main(steps: int = 8, rounds: int = 2) -> None:
         print(f"  {name:<16}" + "".join(f"{m:>17.3f}" for m in medians) + f"{whole / medians[-1]:>13.2f}x")
 
 
-def detached_run(minutes: float) -> None:
-    """``kvshard model finetune`` of the shipped late recipe (``--batch 2``, its seed: the shipped run's
-    examples in its order) for ``minutes``, :class:`DetachedBodies` in place of the body cache; the loss
-    curve in ``<user cache>/finetune/late-detached`` compares step by step with the shipped adapter's."""
+def operator_profile(steps: int = 4) -> None:
+    """``torch.profiler``'s table of the operators of ``steps`` loop steps (bodies cached, ``--batch 2``),
+    after two steps that fill the cache: which kernels a step's seconds are spent in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(2)
+    causal_lm, trainable, recipe, tokenizer, readout = adapted_model(15, "float32")
+    settings = replace(recipe, steps=steps + 2, accumulation=2, batch=2, val_users=2)
+    examples = training_data(settings, tokenizer).examples
+    bodies = FrozenBodies(causal_lm, 1 << 30)
+    clock = LayerClock(causal_lm, bodies.frozen)
+    timed_steps(causal_lm, trainable, examples[:4], settings, readout, bodies, clock)
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        parts = timed_steps(causal_lm, trainable, examples[4:], settings, readout, bodies, clock)
+    print(f"{statistics.mean(parts['step']):.3f} s per example over {steps} steps of 2")
+    print(profiled.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def detached_run(minutes: float, refresh: int = 0) -> None:
+    """``kvshard model finetune`` of the shipped late recipe (``--batch 2 --val-users 96``, its seed: the
+    shipped run's examples in its order) for ``minutes``, :class:`DetachedBodies` in place of the body cache
+    (``refresh`` > 0: :class:`StaleBodies` of that age); the loss curve in ``<user cache>/finetune/late-
+    detached`` (``late-stale-REFRESH``) compares step by step with the shipped adapter's."""
     from kvshard.paths import cache_dir
     from kvshard_training import finetune
     from kvshard_training.settings import FinetuneSettings
 
     logging.basicConfig(level=logging.INFO)
-    finetune.FrozenBodies = DetachedBodies  # type: ignore[misc]
-    finetune.train(FinetuneSettings(out=cache_dir() / "finetune" / "late-detached", history=10, candidates=20,
+    StaleBodies.refresh = refresh
+    finetune.FrozenBodies = StaleBodies if refresh > 0 else DetachedBodies  # type: ignore[misc]
+    name = f"late-stale-{refresh}" if refresh > 0 else "late-detached"
+    finetune.train(FinetuneSettings(out=cache_dir() / "finetune" / name, history=10, candidates=20,
                                     label_position="after", steps=1436, accumulation=2, batch=2, minutes=minutes,
-                                    layers=15, val_users=8, scorer="late", interaction=4), progress=False)
+                                    layers=15, val_users=96, scorer="late", interaction=4), progress=False)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["run"]:
-        detached_run(float(sys.argv[2]))
+    if sys.argv[1:2] == ["ops"]:
+        operator_profile()
+    elif sys.argv[1:2] == ["run"]:
+        detached_run(float(sys.argv[2]), *(int(n) for n in sys.argv[3:4]))
     else:
         main(*(int(n) for n in sys.argv[1:3]))

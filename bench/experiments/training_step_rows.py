@@ -39,6 +39,7 @@ from training_step_attention import adapted_model
 
 from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs
 from kvshard_training.examples import Example, training_data
+from kvshard_training.finetune import optimizer_step
 from kvshard_training.frozen_bodies import FrozenBodies
 from kvshard_training.losses import batch_losses
 from kvshard_training.settings import FinetuneSettings
@@ -50,19 +51,9 @@ def optimizer_steps(causal_lm: Any, trainable: list[torch.Tensor], examples: Seq
     backward, clipping and an AdamW step (a fresh optimizer: its state is not what is timed). Returns the
     step losses."""
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr)
-    losses = []
-    for start in range(0, len(examples), settings.accumulation):
-        batch = examples[start:start + settings.accumulation]
-        step_loss = 0.0
-        for first in range(0, len(batch), settings.batch):
-            parts = batch_losses(causal_lm, batch[first:first + settings.batch], settings, readout, None, bodies)
-            torch.autograd.backward(torch.stack(parts).sum() / len(batch))
-            step_loss += sum(float(p.detach()) for p in parts) / len(batch)
-        torch.nn.utils.clip_grad_norm_(trainable, settings.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(step_loss)
-    return losses
+    return [optimizer_step(causal_lm, optimizer, trainable, examples[start:start + settings.accumulation], settings,
+                           readout, None, bodies)
+            for start in range(0, len(examples), settings.accumulation)]
 
 
 def gradients(causal_lm: Any, trainable: list[torch.Tensor], examples: Sequence[Example],

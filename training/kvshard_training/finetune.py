@@ -117,6 +117,25 @@ def taught(example: Example, teacher: ScorerTeacher, settings: FinetuneSettings)
                                                     settings.teacher_temperature))
 
 
+def optimizer_step(causal_lm: Any, optimizer: torch.optim.Optimizer, trainable: Sequence[torch.Tensor],
+                   batch: Sequence[Example], settings: FinetuneSettings, readout: int,
+                   log_scale: torch.Tensor | None = None, bodies: FrozenBodies | None = None) -> float:
+    """One optimizer step on ``batch`` (``--accumulation`` examples, ``--batch`` per forward pass): the
+    mean loss's gradient, clipped to ``--clip`` over ``trainable``, one update. Returns the mean loss."""
+    step_loss = 0.0
+    for start in range(0, len(batch), settings.batch):
+        # the fusion's temperature enters each pass's graph anew: a backward frees the graph it ran through
+        losses = batch_losses(causal_lm, batch[start:start + settings.batch], settings, readout,
+                              None if log_scale is None else log_scale.exp(), bodies)
+        torch.autograd.backward(torch.stack(losses).sum() / len(batch))
+        step_loss += sum(float(loss.detach()) for loss in losses) / len(batch)
+    if settings.clip > 0:
+        torch.nn.utils.clip_grad_norm_(trainable, settings.clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss
+
+
 def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
     """Train, validate, write the adapter, the loss curve and the provenance into ``settings.out``."""
     torch.set_num_threads(settings.threads)
@@ -176,16 +195,7 @@ def train(settings: FinetuneSettings, progress: bool = True) -> FinetuneResult:
         batch = examples[step * settings.accumulation:(step + 1) * settings.accumulation]
         if scorer_teacher is not None:
             batch = [taught(example, scorer_teacher, settings) for example in batch]
-        step_loss = 0.0
-        for start in range(0, len(batch), settings.batch):
-            losses = batch_losses(causal_lm, batch[start:start + settings.batch], settings, readout,
-                                  None if log_scale is None else log_scale.exp(), bodies)
-            torch.autograd.backward(torch.stack(losses).sum() / len(batch))
-            step_loss += sum(float(loss.detach()) for loss in losses) / len(batch)
-        if settings.clip > 0:
-            torch.nn.utils.clip_grad_norm_(trainable, settings.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_loss = optimizer_step(causal_lm, optimizer, trainable, batch, settings, readout, log_scale, bodies)
         done_steps, done_examples = step + 1, done_examples + len(batch)
         ema = step_loss if ema is None else EMA * ema + (1 - EMA) * step_loss
         curve.steps.append(StepRecord(done_steps, done_examples, step_loss, ema,
