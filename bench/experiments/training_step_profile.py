@@ -117,8 +117,8 @@ class StaleBodies(DetachedBodies):
     def __init__(self, causal_lm: Any, capacity: int) -> None:
         super().__init__(causal_lm, capacity)
         self.passes = 0
-        self.adapted: dict[int, tuple[int, Body, Body]] = {}  # id(frozen body) -> (pass, frozen body, continued)
-        self.adapted_hits = self.adapted_misses = 0
+        # id(frozen body) -> (pass, frozen body, continued); the frozen body is held so that its id is not reused
+        self.adapted: dict[int, tuple[int, Body, Body]] = {}
 
     def scores(self, prompts: Sequence[IsolatedInputs], readout: int) -> list[torch.Tensor]:
         self.passes += torch.is_grad_enabled()
@@ -128,8 +128,6 @@ class StaleBodies(DetachedBodies):
         distinct = list({id(body): body for body in bodies}.values())
         stale = [b for b in distinct if id(b) not in self.adapted
                  or self.passes - self.adapted[id(b)][0] >= self.refresh]
-        self.adapted_misses += len(stale)
-        self.adapted_hits += len(distinct) - len(stale)
         if stale:
             for frozen, continued in zip(stale, super()._through_adapted(stale), strict=True):
                 self.adapted[id(frozen)] = (self.passes, frozen, continued)
