@@ -56,27 +56,21 @@ from tqdm import tqdm
 
 from kvshard.datasets import load_dataset
 from kvshard.models import model_template, resolve_model
-from kvshard.prompts import PromptBuilder, sample_requests
+from kvshard.prompts import PromptBuilder, RecommendationPrompt, sample_requests
+from kvshard.segments import Prompt
 from kvshard_bench.fidelity import engine_tokenizer, score
 from kvshard_bench.paired import paired_difference
 from kvshard_sidecar.engine import BlendEngine, BlendSettings, MemoryBlockSource
-from kvshard_sidecar.engine.isolated_scorer import Readout, scoring_prompt
+from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, Readout, scoring_prompt
 from kvshard_sidecar.engine.oracle import Oracle, part_rows
 
 REPLACED = Path.home() / ".cache/kvshard/exp/late-replaced"
 DEPTHS = (0, 4, 8, 12, 14, 15, 16, 18, 20, 24, 29)
 
 
-def history_rows(prompt: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Bool masks over the prompt: the history, its first row, the history but its first row."""
-    history = part_rows(prompt, ["history"])  # type: ignore[arg-type]
-    first = torch.zeros_like(history)
-    first[int(torch.nonzero(history)[0])] = True
-    return history, first, history & ~first
-
-
-def measure(model_name: str, users: int) -> tuple[dict[str, list[dict[str, float]]], dict[str, torch.Tensor]]:
-    """Per oracle, one score row per request; per (k|v, first|rest), the deviation per layer (mean)."""
+def loaded(model_name: str, users: int) -> tuple[Path, BlendEngine, Readout, list[RecommendationPrompt]]:
+    """A merged late scorer's engine and readout, and the fidelity bench's requests (history 10, 20 candidates,
+    seed 0: ``kvshard bench fidelity --users N``'s first N)."""
     model = resolve_model(model_name, "late")
     tokenizer = engine_tokenizer(model)
     readout = Readout.for_model(tokenizer, model)
@@ -84,7 +78,20 @@ def measure(model_name: str, users: int) -> tuple[dict[str, list[dict[str, float
     dataset = load_dataset("movielens-100k")
     builder = PromptBuilder(tokenizer, dataset, template=model_template(model))
     requests = [builder.build(r) for r in sample_requests(dataset, users, 10, 20, 0)]
-    engine = BlendEngine.load(model, MemoryBlockSource())
+    return model, BlendEngine.load(model, MemoryBlockSource()), readout, requests
+
+
+def history_rows(prompt: Prompt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bool masks over the prompt: the history, its first row, the history but its first row."""
+    history = part_rows(prompt, ["history"])
+    first = torch.zeros_like(history)
+    first[int(torch.nonzero(history)[0])] = True
+    return history, first, history & ~first
+
+
+def measure(model_name: str, users: int) -> tuple[dict[str, list[dict[str, float]]], dict[str, torch.Tensor]]:
+    """Per oracle, one score row per request; per (k|v, first|rest), the deviation per layer (mean)."""
+    model, engine, readout, requests = loaded(model_name, users)
     settings = BlendSettings(prefill_context="standalone", selector="none", ratio=0.0)
     layers = engine.executor.shape.num_layers
     rows: dict[str, list[dict[str, float]]] = {}
@@ -120,14 +127,7 @@ def attention_paid(model_name: str, users: int) -> dict[str, torch.Tensor]:
     nor history: each item's interaction tokens, the labels, the question) pay to the history's first row
     and to the rest of the history, under full prefill (``exact``) and under the standalone blend
     (``stale``): mean over heads, readers and requests."""
-    model = resolve_model(model_name, "late")
-    tokenizer = engine_tokenizer(model)
-    readout = Readout.for_model(tokenizer, model)
-    assert readout is not None, f"{model} is not a scorer"
-    dataset = load_dataset("movielens-100k")
-    builder = PromptBuilder(tokenizer, dataset, template=model_template(model))
-    requests = [builder.build(r) for r in sample_requests(dataset, users, 10, 20, 0)]
-    engine = BlendEngine.load(model, MemoryBlockSource())
+    model, engine, readout, requests = loaded(model_name, users)
     settings = BlendSettings(prefill_context="standalone", selector="none", ratio=0.0)
     executor = engine.executor
     finish = executor.finish
@@ -155,7 +155,7 @@ def attention_paid(model_name: str, users: int) -> dict[str, torch.Tensor]:
         prompt = scoring_prompt(request)
         stale = engine.blend(prompt, settings, readout=readout)
         history, first, rest = history_rows(prompt)
-        allowed = engine._scoring(prompt, readout).geometry.allowed.cpu()  # noqa: SLF001 (measurement only)
+        allowed = IsolatedInputs.of_prompt(prompt, readout.interaction).mask_and_positions()[0][0, 0]
         system = part_rows(prompt, ["system"])
         readers = allowed[:, int(torch.nonzero(first)[0])] & ~history & ~system
         for path, running in (("exact", torch.arange(len(prompt))), ("stale", stale.selected)):
