@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,9 +64,12 @@ from kvshard_bench.paired import paired_difference
 from kvshard_sidecar.engine import BlendEngine, BlendSettings, MemoryBlockSource
 from kvshard_sidecar.engine.isolated_scorer import IsolatedInputs, Readout, scoring_prompt
 from kvshard_sidecar.engine.oracle import Oracle, part_rows
+from kvshard_sidecar.engine.selectors import attention_received
 
 REPLACED = Path.home() / ".cache/kvshard/exp/late-replaced"
 DEPTHS = (0, 4, 8, 12, 14, 15, 16, 18, 20, 24, 29)
+STANDALONE = BlendSettings(prefill_context="standalone", selector="none", ratio=0.0)
+"""Every block prefilled alone at position 0, only the readers and the question recomputed."""
 
 
 def loaded(model_name: str, users: int) -> tuple[Path, BlendEngine, Readout, list[RecommendationPrompt]]:
@@ -92,13 +96,12 @@ def history_rows(prompt: Prompt) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 def measure(model_name: str, users: int) -> tuple[dict[str, list[dict[str, float]]], dict[str, torch.Tensor]]:
     """Per oracle, one score row per request; per (k|v, first|rest), the deviation per layer (mean)."""
     model, engine, readout, requests = loaded(model_name, users)
-    settings = BlendSettings(prefill_context="standalone", selector="none", ratio=0.0)
     layers = engine.executor.shape.num_layers
     rows: dict[str, list[dict[str, float]]] = {}
     deviation: dict[str, list[torch.Tensor]] = {}
     for request in tqdm(requests, desc=model.name, unit="request"):
         prompt = scoring_prompt(request)
-        engine.blend(prompt, settings, readout=readout)  # stores the standalone blocks
+        engine.blend(prompt, STANDALONE, readout=readout)  # stores the standalone blocks
         full = engine.full(prompt, readout=readout)
         history, first, rest = history_rows(prompt)
         oracles: dict[str, Oracle | None] = {
@@ -109,7 +112,7 @@ def measure(model_name: str, users: int) -> tuple[dict[str, list[dict[str, float
             **{f"history exact in layers <= {d}": Oracle(full.kv, history, d) for d in DEPTHS if d < layers},
         }
         for name, oracle in oracles.items():
-            result = engine.blend(prompt, settings, oracle=oracle, readout=readout)
+            result = engine.blend(prompt, STANDALONE, oracle=oracle, readout=readout)
             rows.setdefault(name, []).append(score(full, result, request))
             if oracle is None:
                 for kind, stale, exact in (("k", result.kv.keys, full.kv.keys), ("v", result.kv.values,
@@ -128,42 +131,34 @@ def attention_paid(model_name: str, users: int) -> dict[str, torch.Tensor]:
     and to the rest of the history, under full prefill (``exact``) and under the standalone blend
     (``stale``): mean over heads, readers and requests."""
     model, engine, readout, requests = loaded(model_name, users)
-    settings = BlendSettings(prefill_context="standalone", selector="none", ratio=0.0)
     executor = engine.executor
     finish = executor.finish
-    probe: dict[str, object] = {}
+    probing: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]] = []  # (path, reader queries, parts)
     paid: dict[str, list[list[torch.Tensor]]] = {}
 
     def recording(layer: int, hidden: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
-        if probe:
-            queries = probe["queries"]
-            assert isinstance(queries, torch.Tensor) and mask is not None
-            groups = q.shape[1] // keys.shape[1]
-            expanded = keys[0].float().repeat_interleave(groups, dim=0)
-            logits = q[0][:, queries].float() @ expanded.transpose(1, 2) * executor.scaling
-            probs = logits.masked_fill(~mask[queries], float("-inf")).softmax(-1).mean(dim=(0, 1))
-            for part in ("first", "rest"):
-                rows = probe[part]
-                assert isinstance(rows, torch.Tensor)
-                paid.setdefault(f"{probe['path']} {part}", [[] for _ in range(executor.shape.num_layers)])[
-                    layer].append(probs[rows].sum())
+        if probing and mask is not None:
+            path, queries, parts = probing[0]
+            received = attention_received(q[0][:, queries], keys[0], mask[queries], executor.scaling)
+            for part, rows in parts.items():
+                per_layer = paid.setdefault(f"{path} {part}", [[] for _ in range(executor.shape.num_layers)])
+                per_layer[layer].append(received[rows].sum())
         return finish(layer, hidden, q, keys, values, mask, causal)
 
     executor.finish = recording  # type: ignore[method-assign]
     for request in tqdm(requests, desc=f"attention {model.name}", unit="request"):
         prompt = scoring_prompt(request)
-        stale = engine.blend(prompt, settings, readout=readout)
+        stale = engine.blend(prompt, STANDALONE, readout=readout)
         history, first, rest = history_rows(prompt)
         allowed = IsolatedInputs.of_prompt(prompt, readout.interaction).mask_and_positions()[0][0, 0]
-        system = part_rows(prompt, ["system"])
-        readers = allowed[:, int(torch.nonzero(first)[0])] & ~history & ~system
-        for path, running in (("exact", torch.arange(len(prompt))), ("stale", stale.selected)):
-            probe.update(path=path, first=first, rest=rest,
-                         queries=torch.nonzero(readers[running]).reshape(-1))
-            engine.full(prompt, readout=readout) if path == "exact" else engine.blend(prompt, settings,
-                                                                                      readout=readout)
-        probe.clear()
+        readers = allowed[:, int(torch.nonzero(first)[0])] & ~history & ~part_rows(prompt, ["system"])
+        runs = (("exact", torch.arange(len(prompt)), partial(engine.full, prompt, readout=readout)),
+                ("stale", stale.selected, partial(engine.blend, prompt, STANDALONE, readout=readout)))
+        for path, running, run in runs:  # the queries of a run are its running rows, in order
+            probing[:] = [(path, torch.nonzero(readers[running]).reshape(-1), {"first": first, "rest": rest})]
+            run()
+        probing.clear()
     executor.finish = finish  # type: ignore[method-assign]
     return {key: torch.stack([torch.stack(v).mean() for v in per_layer]) for key, per_layer in paid.items()}
 
