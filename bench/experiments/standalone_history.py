@@ -133,13 +133,14 @@ def attention_paid(model_name: str, users: int) -> dict[str, torch.Tensor]:
     model, engine, readout, requests = loaded(model_name, users)
     executor = engine.executor
     finish = executor.finish
-    probing: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]] = []  # (path, reader queries, parts)
+    probe: tuple[str, torch.Tensor] | None = None  # (path, reader queries) while a run is recorded
+    parts: dict[str, torch.Tensor] = {}
     paid: dict[str, list[list[torch.Tensor]]] = {}
 
     def recording(layer: int, hidden: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
-        if probing and mask is not None:
-            path, queries, parts = probing[0]
+        if probe is not None and mask is not None:
+            path, queries = probe
             received = attention_received(q[0][:, queries], keys[0], mask[queries], executor.scaling)
             for part, rows in parts.items():
                 per_layer = paid.setdefault(f"{path} {part}", [[] for _ in range(executor.shape.num_layers)])
@@ -150,15 +151,15 @@ def attention_paid(model_name: str, users: int) -> dict[str, torch.Tensor]:
     for request in tqdm(requests, desc=f"attention {model.name}", unit="request"):
         prompt = scoring_prompt(request)
         stale = engine.blend(prompt, STANDALONE, readout=readout)
-        history, first, rest = history_rows(prompt)
+        history, parts["first"], parts["rest"] = history_rows(prompt)
         allowed = IsolatedInputs.of_prompt(prompt, readout.interaction).mask_and_positions()[0][0, 0]
-        readers = allowed[:, int(torch.nonzero(first)[0])] & ~history & ~part_rows(prompt, ["system"])
+        readers = allowed[:, int(torch.nonzero(parts["first"])[0])] & ~history & ~part_rows(prompt, ["system"])
         runs = (("exact", torch.arange(len(prompt)), partial(engine.full, prompt, readout=readout)),
                 ("stale", stale.selected, partial(engine.blend, prompt, STANDALONE, readout=readout)))
         for path, running, run in runs:  # the queries of a run are its running rows, in order
-            probing[:] = [(path, torch.nonzero(readers[running]).reshape(-1), {"first": first, "rest": rest})]
+            probe = (path, torch.nonzero(readers[running]).reshape(-1))
             run()
-        probing.clear()
+        probe = None
     executor.finish = finish  # type: ignore[method-assign]
     return {key: torch.stack([torch.stack(v).mean() for v in per_layer]) for key, per_layer in paid.items()}
 
