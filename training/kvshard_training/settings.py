@@ -58,7 +58,9 @@ class FinetuneSettings:
                               "the end of --minutes, whichever comes first)")
     warmup: int = setting(10, "warmup steps")
     weight_decay: float = setting(0.0, "AdamW weight decay")
-    rank: int = setting(8, "LoRA rank (at most 16: the adapter ships in the repository)")
+    rank: int = setting(8, "LoRA rank (at most 16: the adapter ships in the repository); 8 (the default: at 16, "
+                           "alpha 32, the late recipe's 2,872 examples in the hour gave the same loss curve and "
+                           "held-out HR@1 .346 against .354, paired −.008, −.030 … +.014, on 2026-12-07)")
     alpha: int = setting(16, "LoRA alpha (scale = alpha / rank)")
     targets: tuple[str, ...] = setting(ALL_PROJECTIONS, "projections that get LoRA (comma-separated)")
     layers: int = setting(15, "LoRA on the top N decoder layers only (0 = all); fewer layers, faster backward")
