@@ -26,6 +26,7 @@ capacity does not bind.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -35,11 +36,9 @@ from safetensors.torch import load_file
 WINDOW = 200
 
 
-def loss_windows(adapter: Path) -> list[float]:
-    """Mean training loss per ``WINDOW`` optimizer steps."""
-    steps = json.loads((adapter / "loss_curve.json").read_text())["steps"]
-    return [sum(s["loss"] for s in steps[i:i + WINDOW]) / len(steps[i:i + WINDOW])
-            for i in range(0, len(steps), WINDOW)]
+def loss_windows(steps: list[dict[str, float]]) -> list[float]:
+    """Mean training loss per ``WINDOW`` optimizer steps of a ``loss_curve.json``'s ``steps``."""
+    return [statistics.fmean(s["loss"] for s in steps[i:i + WINDOW]) for i in range(0, len(steps), WINDOW)]
 
 
 def update_norms(adapter: Path) -> tuple[float, dict[str, float]]:
@@ -58,13 +57,14 @@ def update_norms(adapter: Path) -> tuple[float, dict[str, float]]:
 
 
 def main(first: Path, second: Path) -> None:
+    windows = []
     for adapter in (first, second):
         curve = json.loads((adapter / "loss_curve.json").read_text())
+        windows.append(loss_windows(curve["steps"]))
         final = curve["validation"][-1]
-        print(f"{adapter.name}: loss per {WINDOW} steps "
-              + " ".join(f"{x:.3f}" for x in loss_windows(adapter))
+        print(f"{adapter.name}: loss per {WINDOW} steps " + " ".join(f"{x:.3f}" for x in windows[-1])
               + f"; validation HR@1 {final['hr1']:.3f}, loss {final['loss']:.3f}")
-    differences = [a - b for a, b in zip(loss_windows(first), loss_windows(second), strict=False)]
+    differences = [a - b for a, b in zip(*windows, strict=False)]
     print(f"{first.name} − {second.name} per window: " + " ".join(f"{d:+.3f}" for d in differences))
     (total_first, per_first), (total_second, per_second) = update_norms(first), update_norms(second)
     print(f"update norm: {first.name} {total_first:.1f}, {second.name} {total_second:.1f} "

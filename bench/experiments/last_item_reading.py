@@ -40,6 +40,7 @@ from late_scorer_ensembles import model_scores
 
 from kvshard.datasets import load_dataset
 from kvshard.prompts import RecommendationRequest, request_users, sample_requests
+from kvshard.ranking import best_index, rank_of
 from kvshard.splits import UserSplit
 from kvshard_bench.paired import paired_difference
 
@@ -48,13 +49,8 @@ USERS, HISTORY, CANDIDATES, SEED = 191, 10, 20, 0  # the bench's and fusion_weig
 
 
 def target_rank(scores: list[float], request: RecommendationRequest) -> int:
-    """How many candidates score above the target (0 = the target ranks first)."""
-    target = scores[request.candidates.index(str(request.target))]
-    return sum(score > target for score in scores)
-
-
-def first(scores: list[float]) -> int:
-    return max(range(len(scores)), key=scores.__getitem__)
+    """The target's 0-based rank, as the bench ranks it."""
+    return rank_of(scores, request.candidates.index(str(request.target)))
 
 
 def main(specs: list[str]) -> None:
@@ -77,7 +73,7 @@ def main(specs: list[str]) -> None:
             mean, low, high = paired_difference(hits[spec], hits[specs[0]], SEED, [users[i] for i in members])
             print(f"  paired {spec} − {specs[0]} HR@1 {mean:+.3f} (95 % CI {low:+.3f} … {high:+.3f})")
         for a, b in itertools.combinations(specs, 2):
-            agree = statistics.fmean(first(scores[a][i]) == first(scores[b][i]) for i in members)
+            agree = statistics.fmean(best_index(scores[a][i]) == best_index(scores[b][i]) for i in members)
             print(f"  top-1 agreement {a} / {b}: {agree:.2f}")
 
 
