@@ -6,9 +6,9 @@ HR@1; the validation loss finetune reports (cross-entropy of the raw scores agai
 confident the scores are (their standard deviation within a prompt); and what they follow — the mean
 correlation, within a prompt, of the model's scores with the retrieval stage's (item-kNN co-occurrence) and
 with each candidate's popularity (log interaction count over training users); then each model's paired HR@1
-difference from the first (users resampled).
-
-and HR@1 by where the target stands in the candidates' popularity order.
+difference from the first (users resampled); and HR@1 by where the target stands in the candidates'
+popularity order. Popularity is the bench's baseline (``kvshard_bench.recommender.popularity_scores``:
+rating counts less the requests' own targets).
 
 Run: ``cd bench/experiments && ../../.venv/bin/python score_shape.py FIRST SECOND [...]`` (seconds: it only
 reads cached scores; run ``fusion_weight.py MODEL 96 5`` for each model first).
@@ -17,22 +17,22 @@ Answer (2026-12-07: the in-hour late adapter, then the same adapter trained a se
 ``--init-adapter … --seed 1``; docs/experiments.md):
 
     set               model         HR@1   loss   score sd  r(stage)  r(popularity)
-    validation (96)   first hour    .469   1.976  1.100     .696      .577
-                      second hour   .354   1.960  1.163     .794      .715
-                      stage / popularity alone  .479 / .354
-    held-out (955)    first hour    .354   2.129  1.122     .678      .544
-                      second hour   .370   2.048  1.180     .784      .696
-                      stage / popularity alone  .443 / .272
+    validation (96)   first hour    .469   1.976  1.100     .696      .578
+                      second hour   .354   1.960  1.163     .794      .717
+                      stage / popularity alone  .479 / .333
+    held-out (955)    first hour    .354   2.129  1.122     .678      .546
+                      second hour   .370   2.048  1.180     .784      .698
+                      stage / popularity alone  .443 / .271
     paired second − first HR@1: validation −.115 (−.208 … −.021), held-out +.016 (−.012 … +.046)
-    first candidate the most popular: validation .39 → .43, held-out .36 → .45
+    first candidate the most popular: validation .40 → .42, held-out .37 → .45
 
     HR@1 by the target's popularity rank among the 20 candidates (first hour → second hour):
                       rank 1              ranks 2–3           ranks 4–20
-    validation (96)   .647 → .588 (34)    .550 → .500 (20)    .286 → .095 (42)
-    held-out (955)    .612 → .715 (260)   .368 → .410 (234)   .202 → .154 (461)
+    validation (96)   .688 → .594 (32)    .545 → .500 (22)    .262 → .095 (42)
+    held-out (955)    .614 → .714 (259)   .364 → .411 (236)   .202 → .154 (460)
 
 The second hour lowered the loss on both sets and moved the scores toward the stage and toward popularity
-(the stage itself follows popularity at r .82–.84). That trade wins where the target is the most popular
+(the stage itself follows popularity at r .81–.83). That trade wins where the target is the most popular
 candidate and loses where it is not; its net sign is the set's: +.016 HR@1 on the 955 held-out requests,
 −.115 on 96 validation prompts, whose 42 less popular targets lost most.
 """
@@ -42,9 +42,10 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-from collections import Counter
 from collections.abc import Sequence
 
+import torch
+import torch.nn.functional as F
 from fusion_weight import POSITIONS
 from late_scorer_ensembles import model_scores
 
@@ -54,6 +55,7 @@ from kvshard.ranking import best_index
 from kvshard.retrieval import RetrievalIndex
 from kvshard.splits import UserSplit, validation_requests
 from kvshard_bench.paired import paired_difference
+from kvshard_bench.recommender import popularity_scores
 from kvshard_training.teacher import ItemKnnTeacher
 
 SEED = 0
@@ -62,16 +64,10 @@ POPULARITY_BANDS = ((0, 0), (1, 2), (3, 19))
 
 def correlation(a: Sequence[float], b: Sequence[float]) -> float:
     """Pearson's r of two equal-length lists (0 where either is constant)."""
-    mean_a, mean_b = statistics.fmean(a), statistics.fmean(b)
-    cov = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b, strict=True))
-    norm = math.sqrt(sum((x - mean_a) ** 2 for x in a) * sum((y - mean_b) ** 2 for y in b))
-    return cov / norm if norm > 0 else 0.0
-
-
-def cross_entropy(scores: Sequence[float], target: int) -> float:
-    """-log softmax(scores)[target]: finetune's validation loss for one prompt."""
-    top = max(scores)
-    return top + math.log(sum(math.exp(s - top) for s in scores)) - scores[target]
+    try:
+        return statistics.correlation(a, b)
+    except statistics.StatisticsError:
+        return 0.0
 
 
 def main(specs: list[str]) -> None:
@@ -80,7 +76,6 @@ def main(specs: list[str]) -> None:
     training_users = split.training_users(dataset)
     knn = ItemKnnTeacher(dataset.histories, training_users)
     index = RetrievalIndex.fit(dataset, split)
-    popularity = Counter(item for user in training_users for item in dataset.histories[user])
     heldout = split.heldout_dataset(dataset)
     sets: dict[str, list[RecommendationRequest]] = {
         "validation96": validation_requests(dataset, training_users, 10, 20, 96, 1),
@@ -89,7 +84,8 @@ def main(specs: list[str]) -> None:
         validation = name.startswith("validation")
         stage = [knn.stage_scores(r.history, r.candidates, r.user_id) if validation
                  else index.scores(r.history, r.candidates) for r in requests]
-        popular = [[math.log1p(popularity[c]) for c in r.candidates] for r in requests]
+        counts = popularity_scores(dataset, [[r] for r in requests])
+        popular = [[math.log1p(count) for count in counts(r)] for r in requests]
         targets = [r.candidates.index(str(r.target)) for r in requests]
         users = request_users(requests)
         print(f"== {name} ({len(requests)} requests)")
@@ -98,7 +94,7 @@ def main(specs: list[str]) -> None:
         scored = {spec: model_scores(spec, dataset.name, name, requests) for spec in specs}
         for spec, scores in scored.items():
             hits[spec] = [float(best_index(s) == t) for s, t in zip(scores, targets, strict=True)]
-            loss = statistics.fmean(cross_entropy(s, t) for s, t in zip(scores, targets, strict=True))
+            loss = float(F.cross_entropy(torch.tensor(scores), torch.tensor(targets)))  # finetune's validation loss
             spread = statistics.fmean(statistics.pstdev(s) for s in scores)
             follows_stage = statistics.fmean(correlation(s, g) for s, g in zip(scores, stage, strict=True))
             follows_popularity = statistics.fmean(correlation(s, p) for s, p in zip(scores, popular, strict=True))
