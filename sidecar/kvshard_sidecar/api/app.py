@@ -254,7 +254,10 @@ async def _start(app: web.Application) -> None:
             follower = PlacementFollower(service, history)
             app[FOLLOWER] = follower
             follower.start()
-            loop.call_later(service.settings.blend_wait_seconds, _blend_wait_over, service)
+            # logs the wait's end even when nobody asks /readyz (which logs it first when asked first)
+            waited = time.monotonic() - (service.loaded_at or time.monotonic())
+            loop.call_later(max(0.0, service.settings.blend_wait_seconds - waited),
+                            lambda: service.awaiting_blend(time.monotonic()))
         elif history:
             service.prefill_queue.submit_units((WarmUnit("user", (u,)) for u in history), priority=1)
 
@@ -278,13 +281,6 @@ async def _follow_vllm_queue(service: SidecarService, every_seconds: float = 1.0
             service.metrics.pressure.engine_queue(running, waiting, capacity)
             failing = False
         await asyncio.sleep(every_seconds)
-
-
-def _blend_wait_over(service: SidecarService) -> None:
-    if not service.blend_known:
-        log.warning("no blend settings read from etcd within %g s; ready with the flags' (%s r=%g) until the "
-                    "CacheShard's arrive", service.settings.blend_wait_seconds, service.blend_policy.method,
-                    service.blend_policy.ratio)
 
 
 async def _stop(app: web.Application) -> None:

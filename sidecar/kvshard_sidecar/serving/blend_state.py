@@ -34,6 +34,8 @@ class BlendInForce:
         self.known = not settings.etcd_endpoints
         """Whether the blend in force is known: at once without a CacheShard; following one, once its
         published blend (or that there is none) was read from etcd (:meth:`read`)."""
+        self.gave_up = False
+        """Whether readiness stopped waiting for the CacheShard's blend (logged once, by :meth:`awaited`)."""
         shadow.sample_rate = self.policy.sample_rate
         shadow.announce(self.policy.method, self.policy.ratio)
 
@@ -71,5 +73,14 @@ class BlendInForce:
 
     def awaited(self, now: float, loaded_at: float | None) -> bool:
         """Whether readiness still waits for the followed CacheShard's blend (at most ``blend_wait_seconds``
-        after the model loaded at ``loaded_at``)."""
-        return not self.known and (loaded_at is None or now - loaded_at < self.settings.blend_wait_seconds)
+        after the model loaded at ``loaded_at``). The first call that finds the wait over logs it, so the
+        log says so no later than ``/readyz`` turns ready without the CacheShard's blend."""
+        if self.known:
+            return False
+        if loaded_at is None or now - loaded_at < self.settings.blend_wait_seconds:
+            return True
+        if not self.gave_up:
+            self.gave_up = True
+            log.warning("no blend settings read from etcd within %g s; ready with the flags' (%s r=%g) until the "
+                        "CacheShard's arrive", self.settings.blend_wait_seconds, self.policy.method, self.policy.ratio)
+        return False
